@@ -1,0 +1,64 @@
+"""Engine configuration: one frozen dataclass, validated once at construction."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What one engine instance runs and with how much memory.
+
+    `model` is a model name or path as accepted by `engine.model_source.resolve_model`.
+    `max_model_len=None` takes the model's own limit (capped by a sliding window).
+    `kv_cache_bytes=None` means: 2 GiB on CPU, `gpu_memory_utilization` of the free GPU
+    memory (after weights) on CUDA.
+    """
+
+    model: str = DEFAULT_MODEL
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_range("block_size", self.block_size, 1, 1024)
+        _check_range("max_num_seqs", self.max_num_seqs, 1, 1 << 20)
+        _check_range("max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 24)
+        if self.max_model_len is not None:
+            _check_range("max_model_len", self.max_model_len, 2, 1 << 24)
+        if self.kv_cache_bytes is not None:
+            _check_range("kv_cache_bytes", self.kv_cache_bytes, 1, 1 << 50)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}"
+            )
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> EngineConfig:
+        """Build from keyword arguments, naming any that are not engine options."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
+        return cls(**kwargs)
+
+
+def _check_range(name: str, value: object, low: int, high: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")

@@ -1,0 +1,124 @@
+"""One continuous-batching engine: requests in, token and text deltas out, a step at a time."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.loader import load_model, num_kv_blocks
+from engine.model_runner import ModelRunner
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.tokenizer import encode_prompt
+
+
+@dataclass
+class _Tracked:
+    request: Request
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer | None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.loaded = load_model(config)
+        num_blocks = num_kv_blocks(config, self.loaded)
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                            self.loaded.max_model_len),
+            self.block_manager,
+        )
+        self.runner = ModelRunner(self.loaded.model, num_blocks, config.block_size)
+        self._tracked: dict[str, _Tracked] = {}
+        self._seed_source = random.Random(config.seed)
+
+    @property
+    def tokenizer(self):
+        return self.loaded.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.loaded.max_model_len
+
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | None = None) -> Request:
+        """Validate and queue a request; raises ValueError naming what is wrong."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if request_id in self._tracked:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        vocab = self.loaded.shape.vocab_size
+        ids = encode_prompt(self.tokenizer, prompt, vocab)
+        self.check_prompt_length(len(ids))
+        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {bad_stop}")
+        seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
+        request = Request(request_id, ids, params, seed, self.loaded.eos_token_ids)
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
+        self.scheduler.add_request(request)
+        self._tracked[request_id] = _Tracked(request, prompt if isinstance(prompt, str) else None, detok)
+        return request
+
+    def check_prompt_length(self, num_tokens: int) -> None:
+        if num_tokens >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {num_tokens} tokens but max_model_len is {self.max_model_len}: "
+                f"the prompt must be at most {self.max_model_len - 1} tokens"
+            )
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request wherever it is; frees its blocks. Unknown ids are ignored."""
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return None
+        self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
+        return self._output(tracked, [], "")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._tracked)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; return an output for every request that produced a token."""
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("scheduler made no progress with requests pending")
+            return []
+        sampled = self.runner.execute(scheduled)
+        self.scheduler.update(scheduled, sampled)
+        outputs = []
+        for request_id, token in sampled.items():
+            tracked = self._tracked[request_id]
+            outputs.append(self._after_token(tracked, token))
+        return outputs
+
+    def _after_token(self, tracked: _Tracked, token: int) -> RequestOutput:
+        request, detok = tracked.request, tracked.detokenizer
+        text = detok.add_token(token) if detok is not None else ""
+        if detok is not None and detok.stopped and not request.status.is_finished:
+            self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
+        if request.status.is_finished:
+            if detok is not None:
+                text += detok.flush()
+            del self._tracked[request.request_id]
+        return self._output(tracked, [token], text)
+
+    @staticmethod
+    def _output(tracked: _Tracked, new_ids: list[int], new_text: str) -> RequestOutput:
+        request = tracked.request
+        text = tracked.detokenizer.text if tracked.detokenizer is not None else ""
+        completion = CompletionOutput(0, text, list(request.output_token_ids),
+                                      request.status.finish_reason)
+        return RequestOutput(request.request_id, tracked.prompt, request.prompt_token_ids,
+                             [completion], new_ids, new_text)

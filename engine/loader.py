@@ -1,0 +1,123 @@
+"""From an EngineConfig to a loaded model and a sized KV cache (shared by every worker kind)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from engine.model.llama import CausalLM, ModelShape
+from engine.model.weights import CheckpointReader
+from engine.model_source import check_architecture, resolve_model
+from engine.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model_dir: Path
+    hf_config: object
+    model: CausalLM
+    tokenizer: object | None
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+
+    @property
+    def shape(self) -> ModelShape:
+        return self.model.shape
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    from transformers import AutoConfig
+
+    model_dir = resolve_model(config.model)
+    hf_config = AutoConfig.from_pretrained(str(model_dir))
+    check_architecture(hf_config)
+    device, dtype = resolve_device_dtype(config)
+    max_model_len = resolve_max_model_len(config, hf_config)
+    reader = CheckpointReader(model_dir, dtype, device)
+    model = CausalLM(hf_config, reader, max_model_len)
+    tokenizer = load_tokenizer(model_dir)
+    return LoadedModel(model_dir, hf_config, model, tokenizer, max_model_len,
+                       _eos_token_ids(model_dir, hf_config, tokenizer))
+
+
+def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    """`auto` means CUDA with bf16 when a GPU is present, otherwise CPU with fp32."""
+    if config.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(config.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' requested but no CUDA device is available")
+    if config.dtype == "auto":
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    else:
+        dtype = _DTYPES[config.dtype]
+    return device, dtype
+
+
+def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
+    limit = hf_config.max_position_embeddings
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True):
+        limit = min(limit, window)  # no sliding-window attention: stay inside the window
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} exceeds the model's limit of {limit} tokens"
+        )
+    return config.max_model_len
+
+
+def kv_block_bytes(shape: ModelShape, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers (K and V)."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * shape.num_layers * block_size * shape.num_kv_heads * shape.head_dim * element
+
+
+def num_kv_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
+    """How many blocks the KV budget holds; raises if one max-length request cannot fit."""
+    model = loaded.model
+    per_block = kv_block_bytes(model.shape, config.block_size, model.dtype)
+    budget = config.kv_cache_bytes
+    if budget is None:
+        if model.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(model.device)
+            budget = int(free * config.gpu_memory_utilization)
+        else:
+            budget = DEFAULT_CPU_KV_CACHE_BYTES
+    num_blocks = budget // per_block
+    needed = -(-loaded.max_model_len // config.block_size)
+    if num_blocks < needed:
+        raise ValueError(
+            f"KV cache too small: {budget} bytes hold {num_blocks} blocks of {config.block_size} "
+            f"tokens, but one request of max_model_len={loaded.max_model_len} needs {needed} "
+            f"blocks ({needed * per_block} bytes). Raise kv_cache_bytes or lower max_model_len."
+        )
+    return num_blocks
+
+
+def _eos_token_ids(model_dir: Path, hf_config, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    candidates = [getattr(hf_config, "eos_token_id", None)]
+    if tokenizer is not None:
+        candidates.append(getattr(tokenizer, "eos_token_id", None))
+    try:
+        from transformers import GenerationConfig
+
+        candidates.append(GenerationConfig.from_pretrained(str(model_dir)).eos_token_id)
+    except OSError:
+        pass
+    for value in candidates:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(v for v in value if isinstance(v, int))
+    return frozenset(ids)

@@ -1,0 +1,1 @@
+"""Model forward: Llama-family decoder, paged attention, weight loading."""

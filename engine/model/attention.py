@@ -1,0 +1,108 @@
+"""Attention over the paged KV cache.
+
+A step's tokens arrive concatenated (`[num_tokens, heads, head_dim]`, selective batching).
+Sequences contributing one token (decodes, and one-token chunks) are attended together in
+one batched call; sequences contributing a chunk of several tokens are attended one by one
+with a causal mask offset by the tokens already cached.
+
+Cache layout per layer: `k_cache`, `v_cache` of shape `[num_blocks, block_size, kv_heads,
+head_dim]`; a token at position p of a sequence lives in slot
+`block_table[p // block_size] * block_size + p % block_size`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.model.kernels import decode_kernel
+
+
+@dataclass
+class PrefillSpan:
+    """A sequence contributing `num_tokens > 1` tokens starting at position `start_pos`."""
+
+    token_start: int
+    num_tokens: int
+    start_pos: int
+    block_table: torch.Tensor  # [num_blocks_of_this_sequence] int64
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each new token's K/V is written, and what each sequence attends to."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    decode_token_index: torch.Tensor  # [num_decodes] int64, indices into the step's tokens
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64, padded with 0
+    decode_ctx_lens: torch.Tensor  # [num_decodes] int64, cached tokens incl. the new one
+    prefills: list[PrefillSpan]
+
+    @property
+    def num_decodes(self) -> int:
+        return self.decode_token_index.numel()
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Write the step's new K/V into the cache, then attend; returns `[num_tokens, heads, dim]`."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    if meta.num_decodes == q.shape[0]:
+        return _decode_attention(q, k_cache, v_cache, meta, scale)
+    out = torch.empty_like(q)
+    if meta.num_decodes:
+        idx = meta.decode_token_index
+        out[idx] = _decode_attention(q[idx], k_cache, v_cache, meta, scale)
+    for span in meta.prefills:
+        rows = slice(span.token_start, span.token_start + span.num_tokens)
+        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, span, scale)
+    return out
+
+
+def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    kernel = decode_kernel() if q.device.type == "cpu" else None
+    if kernel is not None:
+        return kernel.paged_decode_attention(
+            q.contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_ctx_lens, scale
+        )
+    num_seqs, max_blocks = meta.decode_block_tables.shape
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    max_len = max_blocks * block_size
+    keys = k_cache[meta.decode_block_tables].view(num_seqs, max_len, num_kv_heads, head_dim)
+    values = v_cache[meta.decode_block_tables].view(num_seqs, max_len, num_kv_heads, head_dim)
+    positions = torch.arange(max_len, device=q.device)
+    mask = (positions[None, :] < meta.decode_ctx_lens[:, None])[:, None, None, :]
+    out = F.scaled_dot_product_attention(
+        q[:, :, None], keys.transpose(1, 2), values.transpose(1, 2),
+        attn_mask=mask, scale=scale, enable_gqa=True,
+    )
+    return out[:, :, 0]
+
+
+def _prefill_attention(q, k, v, k_cache, v_cache, span: PrefillSpan, scale: float):
+    if span.start_pos == 0:  # nothing cached before this chunk: attend to the chunk itself
+        keys, values, mask, causal = k, v, None, True
+    else:
+        ctx_len = span.start_pos + span.num_tokens
+        head_shape = k_cache.shape[2:]
+        keys = k_cache[span.block_table].view(-1, *head_shape)[:ctx_len]
+        values = v_cache[span.block_table].view(-1, *head_shape)[:ctx_len]
+        query_pos = torch.arange(span.start_pos, ctx_len, device=q.device)
+        mask = torch.arange(ctx_len, device=q.device)[None, :] <= query_pos[:, None]
+        causal = False
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+        attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)

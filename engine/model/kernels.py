@@ -1,0 +1,49 @@
+"""The CPU paged-decode-attention kernel (csrc/paged_attention.cpp), compiled on first use.
+
+Compiled on the machine that runs it (so `-march=native` is safe) into the pdserve cache and
+reused afterwards. If no C++ compiler is available the engine falls back to a gather-based
+torch path, which is correct but slower; `decode_kernel()` returns None in that case.
+Set `PDSERVE_DISABLE_CPU_KERNEL=1` to force the fallback.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+
+
+@functools.cache
+def decode_kernel():
+    """Return the compiled extension module, or None when it cannot be built here."""
+    if os.environ.get("PDSERVE_DISABLE_CPU_KERNEL") == "1":
+        return None
+    from engine.model_source import cache_dir
+
+    source = _SOURCE.read_bytes()
+    tag = hashlib.sha1(source + torch.__version__.encode()).hexdigest()[:10]
+    build_dir = cache_dir() / "torch_extensions" / f"paged_attention-{tag}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        from torch.utils.cpp_extension import load
+
+        if not (build_dir / "pdserve_paged_attention.so").exists():
+            logger.warning("compiling the CPU paged-attention kernel (once, ~30 s)")
+        return load(
+            name="pdserve_paged_attention",
+            sources=[str(_SOURCE)],
+            build_directory=str(build_dir),
+            extra_cflags=["-O3", "-ffast-math", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as exc:  # noqa: BLE001 - any build failure means: use the fallback
+        logger.warning("CPU paged-attention kernel unavailable (%s); using the torch path", exc)
+        return None

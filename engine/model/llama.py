@@ -1,0 +1,170 @@
+"""Our forward for the Llama family (Llama, Mistral, SmolLM) and Qwen2.
+
+RMSNorm, RoPE (with the scaling variants transformers knows), grouped-query attention over
+the paged KV cache, SwiGLU MLP, optional linear biases (Qwen2's qkv bias), tied embeddings.
+Token-wise ops run on all of a step's tokens at once as one `[num_tokens, hidden]` matrix;
+only attention looks at sequences (engine.model.attention).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.model.attention import AttentionMetadata, paged_attention
+from engine.model.weights import CheckpointReader
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a decoder that the engine and KV cache need."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+
+    @classmethod
+    def from_hf_config(cls, config) -> ModelShape:
+        num_heads = config.num_attention_heads
+        return cls(
+            num_layers=config.num_hidden_layers,
+            hidden_size=config.hidden_size,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
+            vocab_size=config.vocab_size,
+            max_position_embeddings=config.max_position_embeddings,
+            rms_norm_eps=config.rms_norm_eps,
+        )
+
+
+@dataclass
+class DecoderLayer:
+    input_norm: torch.Tensor
+    qkv_weight: torch.Tensor  # q, k and v projections stacked: one matmul
+    qkv_bias: torch.Tensor | None
+    o_weight: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up_weight: torch.Tensor  # gate and up projections stacked
+    gate_up_bias: torch.Tensor | None
+    down_weight: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+class CausalLM:
+    """A decoder-only model whose attention reads and writes a paged KV cache."""
+
+    def __init__(self, hf_config, reader: CheckpointReader, max_model_len: int) -> None:
+        if getattr(hf_config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {hf_config.hidden_act!r}; expected 'silu'")
+        self.shape = ModelShape.from_hf_config(hf_config)
+        self.dtype, self.device = reader.dtype, reader.device
+        self.scale = self.shape.head_dim**-0.5
+        self.embed = reader.get("model.embed_tokens.weight")
+        self.layers = [_load_layer(reader, i) for i in reader.progress(self.shape.num_layers)]
+        self.norm = reader.get("model.norm.weight")
+        tied = getattr(hf_config, "tie_word_embeddings", False) or not reader.has("lm_head.weight")
+        self.lm_head = self.embed if tied else reader.get("lm_head.weight")
+        self.rope_cos, self.rope_sin = rope_tables(hf_config, max_model_len, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run one step over `[num_tokens]` ids; returns final hidden states `[num_tokens, H]`.
+
+        `kv_cache` is `[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]`.
+        """
+        s = self.shape
+        num_tokens = input_ids.shape[0]
+        cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
+        hidden = F.embedding(input_ids, self.embed)
+        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        for index, layer in enumerate(self.layers):
+            x = rms_norm(hidden, layer.input_norm, s.rms_norm_eps)
+            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = apply_rope(q.view(num_tokens, s.num_heads, s.head_dim), cos, sin)
+            k = apply_rope(k.view(num_tokens, s.num_kv_heads, s.head_dim), cos, sin)
+            v = v.view(num_tokens, s.num_kv_heads, s.head_dim)
+            attn = paged_attention(q, k, v, kv_cache[index, 0], kv_cache[index, 1], meta, self.scale)
+            hidden = hidden + F.linear(attn.reshape(num_tokens, q_size), layer.o_weight, layer.o_bias)
+            x = rms_norm(hidden, layer.post_norm, s.rms_norm_eps)
+            gate, up = F.linear(x, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
+            hidden = hidden + F.linear(F.silu(gate) * up, layer.down_weight, layer.down_bias)
+        return rms_norm(hidden, self.norm, s.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits in fp32 for the given rows of final hidden states."""
+        return F.linear(hidden, self.lm_head).float()
+
+
+def _load_layer(reader: CheckpointReader, i: int) -> DecoderLayer:
+    prefix = f"model.layers.{i}."
+    attn, mlp = prefix + "self_attn.", prefix + "mlp."
+    return DecoderLayer(
+        input_norm=reader.get(prefix + "input_layernorm.weight"),
+        qkv_weight=reader.stacked([attn + p + "_proj.weight" for p in "qkv"]),
+        qkv_bias=reader.stacked_optional([attn + p + "_proj.bias" for p in "qkv"]),
+        o_weight=reader.get(attn + "o_proj.weight"),
+        o_bias=reader.optional(attn + "o_proj.bias"),
+        post_norm=reader.get(prefix + "post_attention_layernorm.weight"),
+        gate_up_weight=reader.stacked([mlp + "gate_proj.weight", mlp + "up_proj.weight"]),
+        gate_up_bias=reader.stacked_optional([mlp + "gate_proj.bias", mlp + "up_proj.bias"]),
+        down_weight=reader.get(mlp + "down_proj.weight"),
+        down_bias=reader.optional(mlp + "down_proj.bias"),
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in fp32, as the reference implementation does."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def rope_tables(hf_config, max_len: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, ...]:
+    """cos/sin tables `[max_len, head_dim]` for positions 0..max_len-1.
+
+    Inverse frequencies come from transformers' RoPE initialisers, so every scaling variant
+    a config can name (linear, llama3, yarn, longrope) matches the reference. `dynamic`
+    rescales with the sequence length at run time and is not supported.
+    """
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "dynamic":
+        raise ValueError("rope_type 'dynamic' is not supported; use a static RoPE scaling")
+    if rope_type == "default":
+        base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        dim = ModelShape.from_hf_config(hf_config).head_dim
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        scaling = 1.0
+    elif rope_type in ROPE_INIT_FUNCTIONS:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    else:
+        raise ValueError(f"unknown rope_type {rope_type!r}")
+    freqs = torch.arange(max_len, dtype=torch.float)[:, None] * inv_freq.float()[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos() * scaling, emb.sin() * scaling
+    return cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)

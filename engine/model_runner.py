@@ -1,0 +1,79 @@
+"""Turns a SchedulerOutput into tensors, runs the model, samples.
+
+The runner owns the KV cache tensor `[num_layers, 2, num_blocks, block_size, kv_heads,
+head_dim]`; block ids from the block manager index its third axis.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.model.attention import AttentionMetadata, PrefillSpan
+from engine.model.llama import CausalLM
+from engine.sampler import sample
+from engine.scheduler import ScheduledChunk, SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int) -> None:
+        s = model.shape
+        self.model = model
+        self.block_size = block_size
+        self.device = model.device
+        self.kv_cache = torch.zeros(
+            (s.num_layers, 2, num_blocks, block_size, s.num_kv_heads, s.head_dim),
+            dtype=model.dtype, device=model.device,
+        )
+
+    def execute(self, output: SchedulerOutput) -> dict[str, int]:
+        """Compute the scheduled tokens; return {request_id: sampled token} for sampling chunks."""
+        if output.is_empty:
+            return {}
+        input_ids, positions, meta = self.prepare(output.chunks)
+        hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
+        ends = np.cumsum([len(c.token_ids) for c in output.chunks]) - 1
+        sampling = [(i, c) for i, c in enumerate(output.chunks) if c.sample]
+        if not sampling:
+            return {}
+        rows = torch.as_tensor(ends[[i for i, _ in sampling]], device=self.device)
+        logits = self.model.compute_logits(hidden[rows])
+        chunks = [c for _, c in sampling]
+        tokens = sample(logits, [c.sampling_params for c in chunks], [c.seed for c in chunks],
+                        [c.output_index for c in chunks])
+        return {c.request_id: t for c, t in zip(chunks, tokens, strict=True)}
+
+    def prepare(self, chunks: list[ScheduledChunk]):
+        """Flat input ids and positions, and the attention metadata, for one step."""
+        bs = self.block_size
+        ids, pos, slots = [], [], []
+        decode_index, decode_tables, decode_lens, prefills = [], [], [], []
+        for chunk in chunks:
+            n, start = len(chunk.token_ids), chunk.start_pos
+            table = np.asarray(chunk.block_table, dtype=np.int64)
+            chunk_pos = np.arange(start, start + n, dtype=np.int64)
+            if n == 1:
+                decode_index.append(len(ids))
+                decode_tables.append(table)
+                decode_lens.append(start + 1)
+            else:
+                prefills.append(PrefillSpan(len(ids), n, start, self._tensor(table)))
+            ids.extend(chunk.token_ids)
+            pos.append(chunk_pos)
+            slots.append(table[chunk_pos // bs] * bs + chunk_pos % bs)
+        max_blocks = max((len(t) for t in decode_tables), default=0)
+        padded = np.zeros((len(decode_tables), max_blocks), dtype=np.int64)
+        for row, table in enumerate(decode_tables):
+            padded[row, : len(table)] = table
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(np.concatenate(slots)),
+            decode_token_index=self._tensor(np.asarray(decode_index, dtype=np.int64)),
+            decode_block_tables=self._tensor(padded),
+            decode_ctx_lens=self._tensor(np.asarray(decode_lens, dtype=np.int64)),
+            prefills=prefills,
+        )
+        input_ids = self._tensor(np.asarray(ids, dtype=np.int64))
+        return input_ids, self._tensor(np.concatenate(pos)), meta
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device)

@@ -1,0 +1,82 @@
+"""A request as the engine tracks it.
+
+Lifecycle in one engine (DESIGN.md):
+
+    WAITING ──schedule──► RUNNING ──stop token / EOS──► FINISHED_STOPPED
+       ▲                    │  │ ──max_tokens / max_model_len──► FINISHED_LENGTH
+       └──preempt (blocks───┘  └─abort──► FINISHED_ABORTED   (also from WAITING)
+          freed, recompute)
+
+There is no separate prefill phase: `num_computed_tokens` catches up with `num_tokens`
+(prompt plus outputs so far), a chunk at a time; once it has caught up, each step computes
+one token and samples the next.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.value if self.is_finished else None
+
+
+_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+             RequestStatus.FINISHED_ABORTED}
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    seed: int
+    eos_token_ids: frozenset[int] = frozenset()
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + outputs, without building the whole list."""
+        prompt_len = len(self.prompt_token_ids)
+        if end <= prompt_len:
+            return self.prompt_token_ids[start:end]
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len : end - prompt_len]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt_len]
+
+    def check_stop(self, max_model_len: int) -> RequestStatus | None:
+        """The finished status the last appended token implies, or None to continue."""
+        params = self.sampling_params
+        last = self.output_token_ids[-1]
+        if last in params.stop_token_ids or (not params.ignore_eos and last in self.eos_token_ids):
+            return RequestStatus.FINISHED_STOPPED
+        if len(self.output_token_ids) >= params.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

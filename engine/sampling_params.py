@@ -1,0 +1,59 @@
+"""Per-request sampling and stopping options, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    `temperature == 0` is greedy. `top_k <= 0` and `top_p == 1` disable those filters.
+    With a `seed`, the token at output position i is a function of (seed, i, logits) only;
+    without one, the engine draws a seed for the request.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        _require_int("max_tokens", self.max_tokens, "an integer >= 1", low=1)
+        _require_int("top_k", self.top_k, "an integer (<= 0 disables it)")
+        if self.seed is not None:
+            _require_int("seed", self.seed, "an integer in [0, 2**63)", low=0, high=2**63 - 1)
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        for token_id in self.stop_token_ids:
+            _require_int("stop_token_ids", token_id, "non-negative integers", low=0)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == value
+
+
+def _require_int(name: str, value: object, allowed: str, low: int | None = None,
+                 high: int | None = None) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool)
+    ok = ok and (low is None or value >= low) and (high is None or value <= high)
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")

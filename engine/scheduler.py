@@ -1,0 +1,160 @@
+"""Iteration-level scheduling (Orca) with chunked prefill. Pure bookkeeping: no torch.
+
+Every step the batch is rebuilt under a token budget (`max_num_batched_tokens`) and a
+sequence cap (`max_num_seqs`). Running requests go first, in arrival order, each taking
+the tokens it still has to compute (one for a decode, a chunk for a prompt); then waiting
+requests join while budget, sequence slots and KV blocks last. When a running request
+cannot get a block, the most recently admitted running request is preempted: its blocks
+are freed and it goes back to the front of the queue to be recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+@dataclass
+class ScheduledChunk:
+    """Tokens [start_pos, start_pos + len(token_ids)) of one request, to compute this step."""
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    sample: bool  # the chunk reaches the request's last token: sample the next one
+    output_index: int  # the output position of the token sampled (if `sample`)
+    seed: int
+    sampling_params: SamplingParams
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new, out):
+                break  # `request` itself was preempted: nothing after it is left
+            out.chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+            index += 1
+        while self.waiting and budget > 0 and not out.preempted_ids:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self.block_manager.allocate_slots(request.request_id, request.num_computed_tokens + num_new) is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+        return out
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Account for a step's computed tokens and sampled ids; return requests that finished."""
+        finished = []
+        for chunk in output.chunks:
+            request = self.requests.get(chunk.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += len(chunk.token_ids)
+            token = sampled.get(chunk.request_id)
+            if token is None:
+                continue
+            request.output_token_ids.append(token)
+            status = request.check_stop(self.config.max_model_len)
+            if status is not None:
+                self.finish(request.request_id, status)
+                finished.append(request)
+        return finished
+
+    def finish(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request (stop string, abort, ...): free its blocks, forget it. Idempotent."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        self.block_manager.free(request_id)
+        return request
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        needed = request.num_computed_tokens + num_new
+        while self.block_manager.allocate_slots(request.request_id, needed) is None:
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted_ids.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        return ScheduledChunk(
+            request_id=request.request_id,
+            token_ids=request.token_slice(start, start + num_new),
+            start_pos=start,
+            block_table=list(self.block_manager.block_table(request.request_id)),
+            sample=start + num_new == request.num_tokens,
+            output_index=len(request.output_token_ids),
+            seed=request.seed,
+            sampling_params=request.sampling_params,
+        )

@@ -1,0 +1,1 @@
+"""pdserve protos (see shared DESIGN.md)."""

@@ -1,0 +1,40 @@
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The embedded default model, converted from its GGUF once per cache dir."""
+    from engine.config import DEFAULT_MODEL
+    from engine.model_source import resolve_model
+
+    return resolve_model(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> Path:
+    from tests.models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama", smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3_rope_dir(tmp_path_factory, smollm2_dir) -> Path:
+    from tests.models import build_tiny_model
+
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama3"), "llama", smollm2_dir,
+                            seed=1, rope_parameters=rope, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory, smollm2_dir) -> Path:
+    from tests.models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", smollm2_dir, seed=2)
