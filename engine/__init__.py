@@ -3,15 +3,25 @@
     from engine import LLM, SamplingParams
     llm = LLM()  # embedded SmolLM2-135M-Instruct
     print(llm.generate("Hello", SamplingParams(max_tokens=16))[0].text)
+
+Exports load lazily, so the torch-free parts (scheduler, block manager) import without torch.
 """
 
-from engine.config import DEFAULT_MODEL, EngineConfig
-from engine.llm import LLM
-from engine.llm_engine import LLMEngine
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
+import importlib
 
-__all__ = [
-    "DEFAULT_MODEL", "EngineConfig", "LLM", "LLMEngine", "CompletionOutput", "RequestOutput",
-    "SamplingParams",
-]
+_EXPORTS = {
+    "DEFAULT_MODEL": "engine.config",
+    "EngineConfig": "engine.config",
+    "LLM": "engine.llm",
+    "LLMEngine": "engine.llm_engine",
+    "CompletionOutput": "engine.outputs",
+    "RequestOutput": "engine.outputs",
+    "SamplingParams": "engine.sampling_params",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

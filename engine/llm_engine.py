@@ -48,8 +48,39 @@ class LLMEngine:
         return self.loaded.max_model_len
 
     def add_request(self, request_id: str, prompt: str | list[int],
-                    params: SamplingParams | None = None) -> Request:
+                    params: SamplingParams | None = None, detokenize: bool = True) -> Request:
         """Validate and queue a request; raises ValueError naming what is wrong."""
+        request = self._make_request(request_id, prompt, params)
+        self.scheduler.add_request(request)
+        self._track(request, prompt, detokenize)
+        return request
+
+    def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int],
+                              params: SamplingParams, first_token: int) -> RequestOutput:
+        """Admit a request prefilled elsewhere: its prompt KV is already in the blocks
+        reserved under `request_id` (`reserve_blocks`), and its first token is known.
+        Returns the output for that first token (finished if it ends the request)."""
+        request = self._make_request(request_id, prompt_token_ids, params)
+        if len(self.block_manager.block_table(request_id)) * self.config.block_size < request.num_prompt_tokens:
+            raise ValueError(f"request {request_id!r} has no blocks reserved for its prompt")
+        request.output_token_ids.append(first_token)
+        tracked = self._track(request, prompt_token_ids, detokenize=False)
+        self.scheduler.add_running(request)
+        return self._after_token(tracked, first_token)
+
+    def reserve_blocks(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """Reserve blocks for `num_tokens` of a request not yet added (None if too few free)."""
+        if request_id in self._tracked:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        return self.block_manager.allocate_slots(request_id, num_tokens)
+
+    def release_blocks(self, request_id: str) -> None:
+        """Free a reservation made with `reserve_blocks` (for a request never added)."""
+        if request_id not in self._tracked:
+            self.block_manager.free(request_id)
+
+    def _make_request(self, request_id: str, prompt: str | list[int],
+                      params: SamplingParams | None) -> Request:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
@@ -62,13 +93,17 @@ class LLMEngine:
         if bad_stop:
             raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {bad_stop}")
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
-        request = Request(request_id, ids, params, seed, self.loaded.eos_token_ids)
+        return Request(request_id, ids, params, seed, self.loaded.eos_token_ids)
+
+    def _track(self, request: Request, prompt, detokenize: bool) -> _Tracked:
         detok = None
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
-        self.scheduler.add_request(request)
-        self._tracked[request_id] = _Tracked(request, prompt if isinstance(prompt, str) else None, detok)
-        return request
+        if detokenize and self.tokenizer is not None:
+            params = request.sampling_params
+            detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop,
+                                           params.skip_special_tokens)
+        tracked = _Tracked(request, prompt if isinstance(prompt, str) else None, detok)
+        self._tracked[request.request_id] = tracked
+        return tracked
 
     def check_prompt_length(self, num_tokens: int) -> None:
         if num_tokens >= self.max_model_len:

@@ -6,6 +6,8 @@ head_dim]`; block ids from the block manager index its third axis.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -14,10 +16,16 @@ from engine.model.llama import CausalLM
 from engine.sampler import sample
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 
+KVHook = Callable[[str, int, int, torch.Tensor, torch.Tensor], None]
+
 
 class ModelRunner:
+    """`kv_hook(request_id, layer, token_start, k, v)`, when set, receives every scheduled
+    chunk's new K/V per layer as soon as that layer is computed (see CausalLM.forward)."""
+
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int) -> None:
         s = model.shape
+        self.kv_hook: KVHook | None = None
         self.model = model
         self.block_size = block_size
         self.device = model.device
@@ -31,7 +39,8 @@ class ModelRunner:
         if output.is_empty:
             return {}
         input_ids, positions, meta = self.prepare(output.chunks)
-        hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
+        hook = self._layer_hook(output.chunks) if self.kv_hook is not None else None
+        hidden = self.model.forward(input_ids, positions, meta, self.kv_cache, hook)
         ends = np.cumsum([len(c.token_ids) for c in output.chunks]) - 1
         sampling = [(i, c) for i, c in enumerate(output.chunks) if c.sample]
         if not sampling:
@@ -42,6 +51,18 @@ class ModelRunner:
         tokens = sample(logits, [c.sampling_params for c in chunks], [c.seed for c in chunks],
                         [c.output_index for c in chunks])
         return {c.request_id: t for c, t in zip(chunks, tokens, strict=True)}
+
+    def _layer_hook(self, chunks: list[ScheduledChunk]):
+        spans, row = [], 0
+        for chunk in chunks:
+            spans.append((chunk.request_id, chunk.start_pos, row, row + len(chunk.token_ids)))
+            row += len(chunk.token_ids)
+
+        def hook(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            for request_id, start_pos, begin, end in spans:
+                self.kv_hook(request_id, layer, start_pos, k[begin:end], v[begin:end])
+
+        return hook
 
     def prepare(self, chunks: list[ScheduledChunk]):
         """Flat input ids and positions, and the attention metadata, for one step."""

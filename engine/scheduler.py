@@ -68,6 +68,20 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
+    def add_running(self, request: Request) -> RequestStatus | None:
+        """Admit a request whose prompt KV is already in its blocks (prefilled elsewhere) and
+        whose first output token is known. Returns its finished status if that token ends it."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.status = RequestStatus.RUNNING
+        self.requests[request.request_id] = request
+        self.running.append(request)
+        status = request.check_stop(self.config.max_model_len)
+        if status is not None:
+            self.finish(request.request_id, status)
+        return status
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 

@@ -41,7 +41,7 @@ def decode_kernel():
             sources=[str(_SOURCE)],
             build_directory=str(build_dir),
             extra_cflags=["-O3", "-ffast-math", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
+            extra_ldflags=["-fopenmp", "-lmvec"],
             verbose=False,
         )
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the fallback

@@ -8,6 +8,7 @@ only attention looks at sequences (engine.model.attention).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -82,10 +83,14 @@ class CausalLM:
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,
+        layer_hook: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """Run one step over `[num_tokens]` ids; returns final hidden states `[num_tokens, H]`.
 
         `kv_cache` is `[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]`.
+        `layer_hook(layer, k, v)`, if given, sees each layer's new K/V
+        (`[num_tokens, kv_heads, head_dim]`) as soon as it is computed, before the next
+        layer runs: the prefill worker ships KV from here, overlapping transfer with compute.
         """
         s = self.shape
         num_tokens = input_ids.shape[0]
@@ -95,10 +100,12 @@ class CausalLM:
         for index, layer in enumerate(self.layers):
             x = rms_norm(hidden, layer.input_norm, s.rms_norm_eps)
             qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q = apply_rope(q.view(num_tokens, s.num_heads, s.head_dim), cos, sin)
-            k = apply_rope(k.view(num_tokens, s.num_kv_heads, s.head_dim), cos, sin)
+            qk, v = qkv.split([q_size + kv_size, kv_size], dim=-1)
+            qk = apply_rope(qk.view(num_tokens, s.num_heads + s.num_kv_heads, s.head_dim), cos, sin)
+            q, k = qk.split([s.num_heads, s.num_kv_heads], dim=1)
             v = v.view(num_tokens, s.num_kv_heads, s.head_dim)
+            if layer_hook is not None:
+                layer_hook(index, k, v)
             attn = paged_attention(q, k, v, kv_cache[index, 0], kv_cache[index, 1], meta, self.scale)
             hidden = hidden + F.linear(attn.reshape(num_tokens, q_size), layer.o_weight, layer.o_bias)
             x = rms_norm(hidden, layer.post_norm, s.rms_norm_eps)
@@ -109,7 +116,9 @@ class CausalLM:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in fp32 for the given rows of final hidden states."""
-        return F.linear(hidden, self.lm_head).float()
+        # vocab-major product: MKL runs [vocab, H] @ [H, rows] faster than the row-major
+        # form when rows are few (decode batches); the result is a transposed view
+        return torch.mm(self.lm_head, hidden.t()).t().float()
 
 
 def _load_layer(reader: CheckpointReader, i: int) -> DecoderLayer:

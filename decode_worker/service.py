@@ -1,0 +1,246 @@
+"""The decode worker's gRPC service.
+
+A request's life here (DESIGN.md):
+
+    WAITING_FOR_BLOCKS ──blocks reserved──► WAITING_FOR_KV ──KV + first token──► RUNNING
+         │                                     │   (prefill leg: try P1, then P2,      │
+         │                                     │    then prefill locally)             ▼
+         └──────────── abort / client gone ────┴───────────────────────────► FINISHED | ABORTED
+
+The decode worker owns the prefill leg: it reserves blocks for the prompt, opens a
+Prefill stream to a prefill worker, receives the KV into the reservation, acknowledges,
+and admits the request to its continuous batch. A leg that fails or misses
+`kv_transfer_timeout_s` is abandoned (the stream is cancelled, which aborts it on the
+prefill worker) and retried once on the next prefill worker named in the request, then
+locally. Preemption under KV pressure recomputes locally (engine scheduler).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import random
+from collections import deque
+
+import grpc
+
+from decode_worker.prefill_client import PrefillClient
+from engine.async_engine import AsyncEngine
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.worker_config import WorkerConfig
+from kv_transfer.base import check_transport_name
+from kv_transfer.layout import KVLayout
+from kv_transfer.reservations import ReservationTable
+from kv_transfer.torch_transport import TorchTransport
+from protos import pdserve_pb2 as pb
+from protos import pdserve_pb2_grpc as pb_grpc
+from protos.convert import check_prompt_ids, sampling_from_proto
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeService(pb_grpc.DecodeWorkerServicer):
+    def __init__(self, engine: LLMEngine, config: WorkerConfig) -> None:
+        self.engine, self.config = engine, config
+        self.aengine = AsyncEngine(engine)
+        self.layout = KVLayout.of_cache(engine.runner.kv_cache)
+        self.table = ReservationTable(self.layout, engine.runner.kv_cache)
+        self.torch_transport = TorchTransport(
+            config.worker_id, self.layout, engine.runner.kv_cache.device,
+            max_piece_tokens=engine.config.max_num_batched_tokens, host=config.host,
+            timeout_s=config.kv_transfer_timeout_s,
+        )
+        self.kv_endpoint = self.torch_transport.listen(self.table)
+        self.prefill = PrefillClient(self)
+        self._block_waiters: deque[tuple[str, int, asyncio.Future]] = deque()
+        self._admissions: dict[str, asyncio.Task] = {}
+        self._seeds = random.Random()
+        self.num_failed_legs = 0
+
+    # ------------------------------------------------------------ lifecycle
+    def add_to(self, server: grpc.aio.Server) -> None:
+        pb_grpc.add_DecodeWorkerServicer_to_server(self, server)
+
+    async def start(self) -> None:
+        self.aengine.after_step.append(self._serve_block_waiters)
+        self.aengine.start()
+
+    async def stop(self) -> None:
+        await self.aengine.stop()
+        await self.prefill.close()
+        self.torch_transport.close()
+
+    # ------------------------------------------------------------ RPCs
+    async def Info(self, request, context) -> pb.WorkerInfo:
+        info = pb.WorkerInfo(
+            worker_id=self.config.worker_id, role="decode", model=self.engine.config.model,
+            kv_transports=["torch", "grpc"], kv_endpoint=self.kv_endpoint,
+            max_model_len=self.engine.max_model_len, vocab_size=self.engine.loaded.shape.vocab_size,
+        )
+        self.layout.to_proto(info.layout)
+        return info
+
+    async def Stats(self, request, context) -> pb.WorkerStats:
+        async with self.aengine.lock:
+            scheduler = self.engine.scheduler
+            queued = sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting)
+            queued += sum(len(r.prompt_token_ids) for r in scheduler.running
+                          if r.num_computed_tokens < r.num_prompt_tokens)
+            return pb.WorkerStats(
+                worker_id=self.config.worker_id, role="decode",
+                num_waiting=len(scheduler.waiting) + len(self._block_waiters),
+                num_running=len(scheduler.running), num_waiting_for_kv=len(self.table),
+                queued_prefill_tokens=queued,
+                num_free_blocks=self.engine.block_manager.num_free_blocks,
+                num_total_blocks=self.engine.block_manager.num_blocks,
+                recent_step_ms=list(self.aengine.recent_step_ms),
+                num_preemptions=scheduler.num_preemptions, num_finished=self.aengine.num_finished,
+                num_failed_transfers=self.num_failed_legs,
+            )
+
+    async def Abort(self, request, context) -> pb.AbortReply:
+        admission = self._admissions.get(request.request_id)
+        if admission is not None and not admission.done():
+            admission.cancel()
+            return pb.AbortReply(found=True)
+        async with self.aengine.lock:
+            output = self.engine.abort_request(request.request_id)
+        if output is not None:
+            self._deliver(output)
+        return pb.AbortReply(found=output is not None)
+
+    async def Generate(self, request: pb.GenerateRequest, context):
+        request_id = request.request_id
+        try:
+            ids, params, transport = self._validate(request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if request_id in self._admissions or request_id in self.aengine.listeners:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is in use")
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.aengine.listeners[request_id] = outputs.put_nowait
+        admission = asyncio.get_running_loop().create_task(
+            self._admit(request_id, ids, params, list(request.prefill_addresses), transport))
+        self._admissions[request_id] = admission
+        finished = False
+        try:
+            try:
+                first, prefilled_by = await admission
+            except asyncio.CancelledError:
+                if asyncio.current_task().cancelling():
+                    raise  # the client went away
+                # aborted by an Abort RPC while being admitted; `finally` frees the blocks
+                yield pb.GenerateChunk(finish_reason="abort", num_prompt_tokens=len(ids))
+                return
+            finally:
+                self._admissions.pop(request_id, None)
+            if first is not None:
+                finished = first.finished
+                yield self._chunk(first, prefilled_by)
+            first_chunk = first is None
+            while not finished:
+                output = await outputs.get()
+                finished = output.finished
+                yield self._chunk(output, prefilled_by if first_chunk else "")
+                first_chunk = False
+        finally:
+            self.aengine.listeners.pop(request_id, None)
+            if not finished:  # client gone or error: abort wherever the request is
+                admission.cancel()
+                asyncio.get_running_loop().create_task(self._forget(request_id))
+
+    # ------------------------------------------------------------ admission
+    def _validate(self, request: pb.GenerateRequest) -> tuple[list[int], SamplingParams, str]:
+        if not request.request_id:
+            raise ValueError("request_id must not be empty")
+        ids = check_prompt_ids(request.prompt_token_ids, self.engine.loaded.shape.vocab_size,
+                               self.engine.max_model_len)
+        params = sampling_from_proto(request.sampling)
+        if params.seed is None:  # resolve here so every prefill worker samples alike
+            params = dataclasses.replace(params, seed=self._seeds.getrandbits(63))
+        transport = check_transport_name(request.kv_transport or "torch")
+        return ids, params, transport
+
+    async def _admit(self, request_id: str, ids: list[int], params: SamplingParams,
+                     addresses: list[str], transport: str) -> tuple[RequestOutput | None, str]:
+        """Prefill the request (remotely if possible) and admit it to the batch. Returns the
+        first-token output when prefilled remotely (None when prefilled locally)."""
+        if addresses:
+            await self._reserve(request_id, len(ids))
+            for address in addresses[:2]:
+                try:
+                    first_token, prefill_id = await asyncio.wait_for(
+                        self.prefill.run(address, request_id, ids, params, transport),
+                        timeout=self.config.kv_transfer_timeout_s)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - any failure: next prefill worker
+                    self.num_failed_legs += 1
+                    logger.warning("request_id=%s prefill leg on %s failed: %s", request_id,
+                                   address, exc or type(exc).__name__)
+                    continue
+                async with self.aengine.lock:
+                    output = self.engine.add_prefilled_request(request_id, ids, params, first_token)
+                self.aengine.wake()
+                self._serve_block_waiters()  # it may have finished at once, freeing blocks
+                return output, prefill_id
+            logger.warning("request_id=%s prefilling locally after remote failures", request_id)
+        async with self.aengine.lock:
+            self.engine.release_blocks(request_id)
+            self.engine.add_request(request_id, ids, params, detokenize=False)
+        self.aengine.wake()
+        return None, "local"
+
+    async def _reserve(self, request_id: str, num_tokens: int) -> None:
+        """Reserve blocks for the prompt, waiting (FIFO) until enough are free."""
+        future = asyncio.get_running_loop().create_future()
+        self._block_waiters.append((request_id, num_tokens, future))
+        await self._try_reserve()
+        try:
+            await future
+        except asyncio.CancelledError:
+            self._block_waiters = deque(w for w in self._block_waiters if w[2] is not future)
+            raise
+
+    def _serve_block_waiters(self) -> None:
+        if self._block_waiters:
+            asyncio.get_running_loop().create_task(self._try_reserve())
+
+    async def _try_reserve(self) -> None:
+        async with self.aengine.lock:
+            engine = self.engine
+            while self._block_waiters:
+                request_id, num_tokens, future = self._block_waiters[0]
+                busy = len(engine.scheduler.requests) + len(self.table)
+                needed = engine.block_manager.blocks_for_tokens(num_tokens)
+                # keep a block per running request free for its next token
+                headroom = engine.block_manager.num_free_blocks - needed - len(engine.scheduler.running)
+                if busy >= engine.config.max_num_seqs or (headroom < 0 and busy > 0):
+                    return
+                if engine.reserve_blocks(request_id, num_tokens) is None:
+                    return
+                self._block_waiters.popleft()
+                if not future.done():
+                    future.set_result(None)
+                else:  # cancelled while we reserved
+                    engine.release_blocks(request_id)
+
+    async def _forget(self, request_id: str) -> None:
+        """Abort a request wherever it is and free its blocks (client gone)."""
+        async with self.aengine.lock:
+            self.engine.abort_request(request_id)
+            self.engine.release_blocks(request_id)
+        await self._try_reserve()
+
+    def _deliver(self, output: RequestOutput) -> None:
+        listener = self.aengine.listeners.get(output.request_id)
+        if listener is not None:
+            listener(output)
+
+    @staticmethod
+    def _chunk(output: RequestOutput, prefilled_by: str) -> pb.GenerateChunk:
+        return pb.GenerateChunk(token_ids=output.new_token_ids, finish_reason=output.finish_reason or "",
+                                num_prompt_tokens=len(output.prompt_token_ids), prefilled_by=prefilled_by)

@@ -1,0 +1,36 @@
+"""Command-line flags for EngineConfig, derived from its fields (one source of truth)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from engine.config import EngineConfig
+
+_HELP = {
+    "model": "model name, local HF checkpoint dir, .gguf file, or cached hub id "
+             "(default: the embedded SmolLM2-135M-Instruct)",
+    "device": "auto | cpu | cuda[:N] (auto: CUDA if present)",
+    "dtype": "auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, bf16 on CUDA)",
+    "block_size": "tokens per KV-cache block",
+    "max_model_len": "longest prompt + output in tokens (default: the model's limit)",
+    "max_num_seqs": "most sequences in one batch",
+    "max_num_batched_tokens": "token budget of one step (chunked prefill splits longer prompts)",
+    "kv_cache_bytes": "KV cache budget in bytes (default: 2 GiB on CPU, a fraction of free GPU memory)",
+    "gpu_memory_utilization": "fraction of free GPU memory for the KV cache",
+    "seed": "seed for requests that bring none",
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    for field in dataclasses.fields(EngineConfig):
+        kind = {"int": int, "float": float, "str": str}.get(str(field.type).split(" ")[0], int)
+        group.add_argument(
+            "--" + field.name.replace("_", "-"), type=kind, default=field.default,
+            help=f"{_HELP.get(field.name, '')} (default: %(default)s)",
+        )
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})

@@ -1,0 +1,75 @@
+"""Drive an LLMEngine from asyncio, for the worker servers.
+
+Steps run one at a time in a dedicated thread, so the event loop keeps serving RPCs while
+the model computes. All engine state is read and written under `lock`; the stepping task
+holds it for the duration of a step, and asyncio's lock is fair, so RPC handlers get in
+between steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+Listener = Callable[[RequestOutput], None]
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.lock = asyncio.Lock()
+        self.listeners: dict[str, Listener] = {}
+        self.after_step: list[Callable[[], None]] = []
+        self.recent_step_ms: deque[float] = deque(maxlen=64)
+        self.num_finished = 0
+        self._wake = asyncio.Event()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
+
+    def wake(self) -> None:
+        """Tell the loop there may be work (call after adding a request)."""
+        self._wake.set()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._executor.shutdown(wait=True)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            async with self.lock:
+                if not self.engine.has_unfinished_requests():
+                    self._wake.clear()
+                    continue
+                start = time.perf_counter()
+                try:
+                    outputs = await loop.run_in_executor(self._executor, self.engine.step)
+                except Exception:
+                    logger.exception("engine step failed; aborting its requests")
+                    outputs = self._abort_all()
+                self.recent_step_ms.append(1000 * (time.perf_counter() - start))
+            for output in outputs:
+                self.num_finished += output.finished
+                listener = self.listeners.get(output.request_id)
+                if listener is not None:
+                    listener(output)
+            for callback in self.after_step:
+                callback()
+
+    def _abort_all(self) -> list[RequestOutput]:
+        ids = list(self.engine.scheduler.requests)
+        return [out for rid in ids if (out := self.engine.abort_request(rid)) is not None]

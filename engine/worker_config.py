@@ -1,0 +1,36 @@
+"""Settings of a worker process (prefill or decode) beyond its engine."""
+
+from __future__ import annotations
+
+import argparse
+import uuid
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    host: str = "127.0.0.1"  # where the gRPC server and the KV rendezvous listen
+    port: int = 0  # 0: any free port (the bound address is reported when ready)
+    kv_transfer_timeout_s: float = 60.0  # deadline of one prefill leg, KV included
+    ready_file: str | None = None  # write "host:port" here once serving
+    worker_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not self.kv_transfer_timeout_s > 0:
+            raise ValueError(f"kv_transfer_timeout_s must be > 0, got {self.kv_transfer_timeout_s}")
+
+
+def add_worker_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("worker")
+    group.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
+    group.add_argument("--port", type=int, default=0, help="gRPC port; 0 picks a free one")
+    group.add_argument("--kv-transfer-timeout-s", type=float, default=60.0,
+                       help="deadline of one prefill leg including its KV transfer (default: %(default)s)")
+    group.add_argument("--ready-file", default=None, help="write host:port here once serving")
+
+
+def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    return WorkerConfig(host=args.host, port=args.port,
+                        kv_transfer_timeout_s=args.kv_transfer_timeout_s, ready_file=args.ready_file)

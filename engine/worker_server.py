@@ -1,0 +1,74 @@
+"""Process bootstrap shared by the prefill and decode workers: flags, logging, the gRPC
+server, readiness reporting and clean shutdown on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+
+import grpc
+
+from engine.arg_utils import add_engine_args, engine_config_from_args
+from engine.worker_config import WorkerConfig, add_worker_args, worker_config_from_args
+from kv_transfer.grpc_transport import GRPC_CHANNEL_OPTIONS
+
+logger = logging.getLogger(__name__)
+
+
+def setup_logging(role: str) -> None:
+    logging.basicConfig(
+        level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"), stream=sys.stderr,
+        format=f"%(asctime)s %(levelname)s {role} %(name)s: %(message)s",
+    )
+
+
+def run_worker(role: str, argv: list[str] | None, make_service: Callable) -> int:
+    """Parse flags, load the engine, serve until signalled. `make_service(engine, config)`
+    returns an object with `add_to(server)`, `async start()` and `async stop()`."""
+    parser = argparse.ArgumentParser(prog=f"python -m {role}_worker",
+                                     description=f"pdserve {role} worker (gRPC server)")
+    add_worker_args(parser)
+    add_engine_args(parser)
+    args = parser.parse_args(argv)
+    setup_logging(role)
+    try:
+        engine_config = engine_config_from_args(args)
+        config = worker_config_from_args(args)
+        from engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(engine_config)
+    except ValueError as exc:
+        print(f"{role} worker: error: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(_serve(role, engine, config, make_service))
+    return 0
+
+
+async def _serve(role: str, engine, config: WorkerConfig, make_service: Callable) -> None:
+    service = make_service(engine, config)
+    server = grpc.aio.server(options=GRPC_CHANNEL_OPTIONS)
+    service.add_to(server)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    await server.start()
+    await service.start()
+    address = f"{config.host}:{port}"
+    logger.info("serving address=%s worker_id=%s", address, config.worker_id)
+    print(f"READY {role} {address} {config.worker_id}", flush=True)
+    if config.ready_file:
+        tmp = config.ready_file + ".tmp"
+        with open(tmp, "w") as handle:
+            handle.write(address)
+        os.replace(tmp, config.ready_file)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logger.info("shutting down")
+    await server.stop(grace=2)
+    await service.stop()

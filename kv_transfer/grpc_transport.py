@@ -1,0 +1,71 @@
+"""KV transport `grpc`: KV bytes ride the Prefill response stream as `KVChunk` messages.
+
+For networks without NCCL or a usable gloo interface. Pieces are split so one message
+stays under `max_message_bytes`; the receiving decode worker checks every chunk against
+its reservation (`ReservationTable.write_bytes`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import torch
+
+from kv_transfer.base import KVSender
+from kv_transfer.layout import KVLayout
+
+DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+GRPC_CHANNEL_OPTIONS = [  # both ends: room for a chunk plus protobuf framing
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+]
+_END = object()
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+
+class GrpcStreamSender(KVSender):
+    """Feeds one Prefill stream. `send` may be called from any thread; the stream handler
+    drains `messages()` on the event loop. At most `max_inflight` chunks wait in memory."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, layout: KVLayout, make_chunk,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_inflight: int = 16):
+        self._loop, self._make_chunk = loop, make_chunk
+        self._piece_tokens = max(1, max_message_bytes // layout.token_bytes)
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._slots = threading.Semaphore(max_inflight)
+        self._closed = False
+
+    def send(self, transfer_id, layer, token_start, k, v) -> None:
+        for offset in range(0, k.shape[0], self._piece_tokens):
+            k_part, v_part = k[offset : offset + self._piece_tokens], v[offset : offset + self._piece_tokens]
+            data = tensor_bytes(k_part) + tensor_bytes(v_part)
+            chunk = self._make_chunk(transfer_id, layer, token_start + offset, k_part.shape[0], data)
+            while not self._slots.acquire(timeout=0.5):
+                if self._closed:
+                    return
+            if self._closed:
+                self._slots.release()
+                return
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, chunk)
+
+    async def flush(self, transfer_id: int) -> None:
+        """Chunks are flushed by the stream handler itself (`messages` ends after `finish`)."""
+
+    def discard(self, transfer_id: int) -> None:
+        self._closed = True
+
+    def finish(self) -> None:
+        """Called on the event loop after the last `send`: `messages()` ends after the chunks."""
+        self._queue.put_nowait(_END)
+
+    async def messages(self):
+        while True:
+            item = await self._queue.get()
+            if item is _END:
+                return
+            self._slots.release()
+            yield item

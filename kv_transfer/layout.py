@@ -1,0 +1,61 @@
+"""The shape of a paged KV cache, as both ends of a transfer must agree on it."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"KV layout {name} must be a positive integer, got {value!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"KV layout dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+
+    @classmethod
+    def of_cache(cls, kv_cache: torch.Tensor) -> KVLayout:
+        """Layout of a cache tensor `[layers, 2, blocks, block_size, kv_heads, head_dim]`."""
+        layers, _, _, block_size, kv_heads, head_dim = kv_cache.shape
+        return cls(layers, block_size, kv_heads, head_dim, _DTYPE_NAMES[kv_cache.dtype])
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def token_elements(self) -> int:
+        """Elements of one token's K and V in one layer."""
+        return 2 * self.num_kv_heads * self.head_dim
+
+    @property
+    def token_bytes(self) -> int:
+        return self.token_elements * torch.empty((), dtype=self.torch_dtype).element_size()
+
+    def mismatch(self, other: KVLayout) -> str | None:
+        """None if equal, else a message naming every field that differs."""
+        diffs = [f"{k}: {v} vs {getattr(other, k)}" for k, v in asdict(self).items()
+                 if v != getattr(other, k)]
+        return "KV layouts differ (" + ", ".join(diffs) + ")" if diffs else None
+
+    def to_proto(self, message) -> None:
+        message.num_layers, message.block_size = self.num_layers, self.block_size
+        message.num_kv_heads, message.head_dim, message.dtype = self.num_kv_heads, self.head_dim, self.dtype
+
+    @classmethod
+    def from_proto(cls, message) -> KVLayout:
+        return cls(int(message.num_layers), int(message.block_size), int(message.num_kv_heads),
+                   int(message.head_dim), str(message.dtype))

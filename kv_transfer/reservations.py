@@ -1,0 +1,149 @@
+"""Decode side of a KV transfer: which cache slots incoming KV may be written to.
+
+A reservation is made for a request's prompt (blocks the decode worker allocated) before
+the prefill worker is asked to prefill. Every incoming piece (layer, token range, bytes)
+is validated against it — transfer id, layer, range, size, no piece twice — and only then
+copied into the reserved slots; anything else raises `TransferError` and touches nothing.
+`release` is the only way a reservation ends; after it returns no write can reach those
+blocks, so the caller may free or reuse them. Thread-safe: transports write from their
+own threads.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kv_transfer.layout import KVLayout
+
+
+class TransferError(Exception):
+    """A KV piece or transfer that was rejected; the message says why."""
+
+
+@dataclass
+class Reservation:
+    transfer_id: int
+    request_id: str
+    num_tokens: int
+    slots: torch.Tensor  # [num_tokens] cache slot of each prompt position
+    peer: str  # who may write here (a prefill worker id), "" for any
+    received: np.ndarray  # [num_layers, num_tokens] bool
+    on_done: Callable[[], None] | None = None
+    error: str | None = None
+    complete: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class ReservationTable:
+    def __init__(self, layout: KVLayout, kv_cache: torch.Tensor) -> None:
+        if KVLayout.of_cache(kv_cache) != layout:
+            raise ValueError(layout.mismatch(KVLayout.of_cache(kv_cache)))
+        self.layout = layout
+        self._flat_k = [kv_cache[i, 0].view(-1, layout.num_kv_heads, layout.head_dim)
+                        for i in range(layout.num_layers)]
+        self._flat_v = [kv_cache[i, 1].view(-1, layout.num_kv_heads, layout.head_dim)
+                        for i in range(layout.num_layers)]
+        self._device = kv_cache.device
+        self._lock = threading.Lock()
+        self._by_id: dict[int, Reservation] = {}
+        self._ids = itertools.count(1)
+        self.num_failed = 0
+
+    def register(self, request_id: str, block_table: list[int], num_tokens: int, peer: str = "",
+                 on_done: Callable[[], None] | None = None) -> Reservation:
+        """Open a reservation for prompt positions [0, num_tokens) of `block_table`."""
+        bs = self.layout.block_size
+        if len(block_table) * bs < num_tokens:
+            raise ValueError(f"{len(block_table)} blocks cannot hold {num_tokens} tokens")
+        positions = np.arange(num_tokens)
+        slots = np.asarray(block_table, dtype=np.int64)[positions // bs] * bs + positions % bs
+        reservation = Reservation(
+            transfer_id=next(self._ids), request_id=request_id, num_tokens=num_tokens,
+            slots=torch.from_numpy(slots).to(self._device), peer=peer,
+            received=np.zeros((self.layout.num_layers, num_tokens), dtype=bool), on_done=on_done,
+        )
+        with self._lock:
+            self._by_id[reservation.transfer_id] = reservation
+        return reservation
+
+    def write(self, transfer_id: int, layer: int, token_start: int, num_tokens: int,
+              payload: torch.Tensor, peer: str = "") -> None:
+        """Validate one piece (K then V, flat) and copy it into the reserved slots."""
+        layout = self.layout
+        with self._lock:
+            res = self._by_id.get(transfer_id)
+            if res is None:
+                raise TransferError(f"unknown transfer id {transfer_id}")
+            if res.error is not None or res.complete:
+                raise TransferError(f"transfer {transfer_id} is already {res.error or 'complete'}")
+            if res.peer and peer and peer != res.peer:
+                raise TransferError(f"transfer {transfer_id} belongs to {res.peer}, not {peer}")
+            if not 0 <= layer < layout.num_layers:
+                raise TransferError(f"layer {layer} outside [0, {layout.num_layers})")
+            end = token_start + num_tokens
+            if num_tokens < 1 or token_start < 0 or end > res.num_tokens:
+                raise TransferError(
+                    f"tokens [{token_start}, {end}) outside the reservation of {res.num_tokens}")
+            expected = num_tokens * layout.token_elements
+            if payload.dtype != layout.torch_dtype or payload.numel() != expected:
+                raise TransferError(
+                    f"payload of {payload.numel()} {payload.dtype} elements; expected {expected} "
+                    f"{layout.torch_dtype} for {num_tokens} tokens")
+            if res.received[layer, token_start:end].any():
+                raise TransferError(f"layer {layer} tokens [{token_start}, {end}) sent twice")
+            kv = payload.view(2, num_tokens, layout.num_kv_heads, layout.head_dim)
+            slots = res.slots[token_start:end]
+            self._flat_k[layer].index_copy_(0, slots, kv[0].to(self._device))
+            self._flat_v[layer].index_copy_(0, slots, kv[1].to(self._device))
+            res.received[layer, token_start:end] = True
+            if res.received.all():
+                res.complete = True
+                self._signal(res)
+
+    def write_bytes(self, transfer_id: int, layer: int, token_start: int, num_tokens: int,
+                    data: bytes, peer: str = "") -> None:
+        """`write` for a payload that arrived as raw bytes (the grpc transport)."""
+        expected = num_tokens * self.layout.token_bytes
+        if len(data) != expected:
+            raise TransferError(f"payload of {len(data)} bytes; expected {expected} for "
+                                f"{num_tokens} tokens")
+        payload = torch.frombuffer(bytearray(data), dtype=self.layout.torch_dtype)
+        self.write(transfer_id, layer, token_start, num_tokens, payload, peer)
+
+    def fail(self, transfer_id: int, error: str) -> None:
+        """Mark a transfer failed (its waiter is woken); its blocks stay reserved until release."""
+        with self._lock:
+            res = self._by_id.get(transfer_id)
+            if res is None or res.complete or res.error is not None:
+                return
+            res.error = error
+            self.num_failed += 1
+            self._signal(res)
+
+    def fail_peer(self, peer: str, error: str) -> None:
+        """Fail every open transfer from `peer` (its connection broke)."""
+        with self._lock:
+            ids = [r.transfer_id for r in self._by_id.values() if r.peer == peer]
+        for transfer_id in ids:
+            self.fail(transfer_id, error)
+
+    def release(self, transfer_id: int) -> None:
+        """End a reservation; once this returns no write can touch its slots."""
+        with self._lock:
+            self._by_id.pop(transfer_id, None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._by_id)
+
+    @staticmethod
+    def _signal(res: Reservation) -> None:
+        res.done.set()
+        if res.on_done is not None:
+            res.on_done()

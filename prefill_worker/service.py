@@ -1,0 +1,206 @@
+"""The prefill worker's gRPC service.
+
+A request's life here (DESIGN.md):
+
+    QUEUED ──scheduled──► PREFILLING (chunks, under the token budget, batched with other
+    requests' chunks) ──last chunk: first token sampled──► SHIPPED ──ack──► DONE
+       └──────────── stream cancelled / Abort / transfer error ──────────────► ABORTED
+
+Each layer's K/V of each chunk is handed to the KV sender as soon as that layer is
+computed (layer-wise pipelining); the sender copies it into its own staging buffers, so
+the request's cache blocks here are freed as soon as its prompt is computed, not held for
+the transfer. The first token is sampled here at output position 0 with the seed the
+decode worker chose, so it is the token the decode worker would have sampled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import grpc
+
+from engine.async_engine import AsyncEngine
+from engine.llm_engine import LLMEngine
+from engine.worker_config import WorkerConfig
+from kv_transfer.base import KVSender, check_transport_name
+from kv_transfer.grpc_transport import GrpcStreamSender
+from kv_transfer.layout import KVLayout
+from kv_transfer.torch_transport import TorchTransport
+from protos import pdserve_pb2 as pb
+from protos import pdserve_pb2_grpc as pb_grpc
+from protos.convert import check_prompt_ids, sampling_from_proto
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Shipment:
+    transfer_id: int
+    sender: KVSender
+    error: str | None = None
+
+
+class PrefillService(pb_grpc.PrefillWorkerServicer):
+    def __init__(self, engine: LLMEngine, config: WorkerConfig) -> None:
+        self.engine, self.config = engine, config
+        self.aengine = AsyncEngine(engine)
+        self.layout = KVLayout.of_cache(engine.runner.kv_cache)
+        self.torch_transport = TorchTransport(
+            config.worker_id, self.layout, engine.runner.kv_cache.device,
+            max_piece_tokens=engine.config.max_num_batched_tokens, host=config.host,
+            timeout_s=config.kv_transfer_timeout_s,
+        )
+        self._shipments: dict[str, _Shipment] = {}
+        self._streams: dict[str, asyncio.Task] = {}
+        engine.runner.kv_hook = self._ship
+
+    def add_to(self, server: grpc.aio.Server) -> None:
+        pb_grpc.add_PrefillWorkerServicer_to_server(self, server)
+
+    async def start(self) -> None:
+        self.aengine.start()
+
+    async def stop(self) -> None:
+        await self.aengine.stop()
+        self.torch_transport.close()
+
+    # ------------------------------------------------------------ RPCs
+    async def Info(self, request, context) -> pb.WorkerInfo:
+        info = pb.WorkerInfo(
+            worker_id=self.config.worker_id, role="prefill", model=self.engine.config.model,
+            kv_transports=["torch", "grpc"], max_model_len=self.engine.max_model_len,
+            vocab_size=self.engine.loaded.shape.vocab_size,
+        )
+        self.layout.to_proto(info.layout)
+        return info
+
+    async def Stats(self, request, context) -> pb.WorkerStats:
+        async with self.aengine.lock:
+            scheduler = self.engine.scheduler
+            queued = sum(r.num_tokens - r.num_computed_tokens for r in scheduler.requests.values())
+            return pb.WorkerStats(
+                worker_id=self.config.worker_id, role="prefill",
+                num_waiting=len(scheduler.waiting), num_running=len(self._streams),
+                queued_prefill_tokens=queued,
+                num_free_blocks=self.engine.block_manager.num_free_blocks,
+                num_total_blocks=self.engine.block_manager.num_blocks,
+                recent_step_ms=list(self.aengine.recent_step_ms),
+                num_preemptions=scheduler.num_preemptions, num_finished=self.aengine.num_finished,
+            )
+
+    async def Abort(self, request, context) -> pb.AbortReply:
+        task = self._streams.get(request.request_id)
+        if task is None:
+            return pb.AbortReply(found=False)
+        task.cancel()
+        return pb.AbortReply(found=True)
+
+    async def Prefill(self, request_iterator, context):
+        first = await anext(aiter(request_iterator), None)
+        if first is None or not first.HasField("start"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be `start`")
+        start = first.start
+        try:
+            ids, params, transport = self._validate(start)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        request_id = start.request_id
+        if request_id in self._shipments:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is in use")
+        self._streams[request_id] = asyncio.current_task()
+        try:
+            async for message in self._prefill(start, ids, params, transport, request_iterator):
+                yield message
+        except _LegFailed as exc:
+            await context.abort(grpc.StatusCode.ABORTED, str(exc))
+        finally:
+            self._streams.pop(request_id, None)
+
+    # ------------------------------------------------------------ the leg
+    async def _prefill(self, start, ids, params, transport, request_iterator):
+        request_id, loop = start.request_id, asyncio.get_running_loop()
+        if transport == "torch":
+            try:
+                sender = await asyncio.to_thread(self.torch_transport.connect, start.kv_endpoint)
+            except Exception as exc:  # noqa: BLE001 - cannot reach the decode worker
+                raise _LegFailed(f"KV transport: {exc}") from exc
+        else:
+            sender = GrpcStreamSender(loop, self.layout, _kv_chunk)
+        shipment = _Shipment(start.transfer_id, sender)
+        first_token: asyncio.Future = loop.create_future()
+        self._shipments[request_id] = shipment
+        self.aengine.listeners[request_id] = lambda out: _resolve(first_token, out)
+        try:
+            async with self.aengine.lock:
+                self.engine.add_request(request_id, ids, params, detokenize=False)
+            self.aengine.wake()
+            if isinstance(sender, GrpcStreamSender):
+                first_token.add_done_callback(lambda _: sender.finish())
+                async for chunk in sender.messages():
+                    yield pb.PrefillServerMessage(kv=chunk)
+            output = await first_token
+            if output.finish_reason == "abort":
+                raise _LegFailed("prefill aborted")
+            await sender.flush(shipment.transfer_id)
+            if shipment.error:
+                raise _LegFailed(f"KV transfer failed: {shipment.error}")
+            yield pb.PrefillServerMessage(done=pb.PrefillDone(
+                first_token=output.token_ids[0], num_prompt_tokens=len(ids),
+                prefill_worker_id=self.config.worker_id))
+            ack = await asyncio.wait_for(anext(aiter(request_iterator), None),
+                                         timeout=self.config.kv_transfer_timeout_s)
+            if ack is None or not ack.HasField("ack") or not ack.ack.ok:
+                logger.warning("request_id=%s no ack from the decode worker", request_id)
+        finally:
+            self.aengine.listeners.pop(request_id, None)
+            self._shipments.pop(request_id, None)
+            sender.discard(shipment.transfer_id)
+            if not first_token.done():  # cancelled or failed mid-prefill: free its blocks now
+                loop.create_task(self._abort(request_id))
+
+    async def _abort(self, request_id: str) -> None:
+        async with self.aengine.lock:
+            self.engine.abort_request(request_id)
+
+    def _ship(self, request_id: str, layer: int, token_start: int, k, v) -> None:
+        """Engine-thread hook: hand one layer of one chunk to the request's sender."""
+        shipment = self._shipments.get(request_id)
+        if shipment is None or shipment.error:
+            return
+        try:
+            shipment.sender.send(shipment.transfer_id, layer, token_start, k, v)
+        except Exception as exc:  # noqa: BLE001 - never break the engine step for one request
+            shipment.error = str(exc)
+
+    def _validate(self, start: pb.PrefillRequest):
+        if not start.request_id:
+            raise ValueError("request_id must not be empty")
+        theirs = KVLayout.from_proto(start.layout)
+        mismatch = self.layout.mismatch(theirs)
+        if mismatch:
+            raise ValueError(mismatch)
+        ids = check_prompt_ids(start.prompt_token_ids, self.engine.loaded.shape.vocab_size,
+                               self.engine.max_model_len)
+        params = dataclasses.replace(sampling_from_proto(start.sampling), max_tokens=1, seed=start.seed,
+                                     stop_token_ids=(), ignore_eos=True)
+        transport = check_transport_name(start.kv_transport or "torch")
+        if transport == "torch" and not start.kv_endpoint:
+            raise ValueError("kv_endpoint is required for the torch transport")
+        return ids, params, transport
+
+
+class _LegFailed(Exception):
+    pass
+
+
+def _resolve(future: asyncio.Future, output) -> None:
+    if output.finished and not future.done():
+        future.set_result(output)
+
+
+def _kv_chunk(transfer_id: int, layer: int, token_start: int, num_tokens: int, data: bytes):
+    return pb.KVChunk(transfer_id=transfer_id, layer=layer, token_start=token_start,
+                      num_tokens=num_tokens, data=data)

@@ -1,0 +1,174 @@
+"""Aborts at every stage, a prefill worker killed or hung mid-leg, and a misbehaving prefill
+peer: nothing leaks, nothing hangs, the decode worker keeps serving."""
+
+import asyncio
+import random
+import signal
+import time
+
+import grpc
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.workers import WorkerProcess, collect, decode_stub, generate_request, prefill_stub, wait_idle
+
+BLOCK_BYTES = 8192  # tiny model: 2 layers x K,V x 16 tokens x 2 kv heads x 16 dims x fp32
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_llama_dir):
+    model = str(tiny_llama_dir)
+    # the decode worker holds 80 blocks (1280 tokens): a long request makes others queue
+    with WorkerProcess("prefill", model, "--max-num-batched-tokens", "8") as slow_p, \
+            WorkerProcess("decode", model, "--kv-cache-bytes", str(80 * BLOCK_BYTES),
+                          "--kv-transfer-timeout-s", "4") as d:
+        yield {"model": model, "p": slow_p, "d": d}
+
+
+def ids_of(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 49152) for _ in range(n)]
+
+
+async def assert_idle(*addresses_and_kinds):
+    for address, kind in addresses_and_kinds:
+        channel, stub = (decode_stub if kind == "d" else prefill_stub)(address)
+        async with channel:
+            stats = await wait_idle(stub)
+        assert stats.num_free_blocks == stats.num_total_blocks, f"{kind} leaked blocks: {stats}"
+        assert not stats.num_running and not stats.num_waiting and not stats.num_waiting_for_kv, stats
+
+
+async def poll(stub, predicate, timeout_s: float = 20.0):
+    from protos import pdserve_pb2 as pb
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        stats = await stub.Stats(pb.StatsRequest())
+        if predicate(stats):
+            return stats
+        await asyncio.sleep(0.005)
+    raise AssertionError("condition not reached")
+
+
+@pytest.mark.parametrize("how", ["cancel", "abort_rpc"])
+@pytest.mark.parametrize("transport", ["torch", "grpc"])
+def test_abort_at_every_stage_frees_both_sides(workers, transport, how):
+    from protos import pdserve_pb2 as pb
+
+    d, p = workers["d"].address, workers["p"].address
+
+    async def abort(stub, call, request_id):
+        if how == "cancel":
+            call.cancel()
+        else:
+            await stub.Abort(pb.AbortRequest(request_id=request_id))
+            chunks = [c async for c in call]
+            assert chunks and chunks[-1].finish_reason == "abort"
+
+    async def scenario():
+        d_channel, d_stub = decode_stub(d)
+        p_channel, p_stub = prefill_stub(p)
+        async with d_channel, p_channel:
+            # 1. decoding: a long request, aborted after its first tokens
+            hog = d_stub.Generate(generate_request(f"hog-{how}-{transport}", ids_of(1000, 1), 250, [p], transport))
+            await hog.read()
+            # 2. queued for blocks behind it on the decode worker
+            queued = d_stub.Generate(generate_request(f"q-{how}-{transport}", ids_of(400, 2), 5, [p], transport))
+            await poll(d_stub, lambda s: s.num_waiting >= 1)
+            await abort(d_stub, queued, f"q-{how}-{transport}")
+            await abort(d_stub, hog, f"hog-{how}-{transport}")
+            await assert_idle((d, "d"), (p, "p"))
+            # 3. prefilling on the prefill worker (8-token chunks of a 900-token prompt)
+            rid = f"pf-{how}-{transport}"
+            call = d_stub.Generate(generate_request(rid, ids_of(900, 3), 5, [p], transport))
+            await poll(p_stub, lambda s: s.num_running >= 1 and s.queued_prefill_tokens > 0)
+            await abort(d_stub, call, rid)
+            await assert_idle((d, "d"), (p, "p"))
+            # 4. every other moment, transfers included: abort after a sweep of delays
+            for i, delay in enumerate([0.0, 0.01, 0.03, 0.06, 0.1, 0.15, 0.25, 0.4]):
+                rid = f"sweep-{how}-{transport}-{i}"
+                call = d_stub.Generate(generate_request(rid, ids_of(120, 10 + i), 30, [p], transport))
+                await asyncio.sleep(delay)
+                await abort(d_stub, call, rid)
+            await assert_idle((d, "d"), (p, "p"))
+
+    asyncio.run(scenario())
+
+
+def test_killed_prefill_worker_fails_over_and_decode_keeps_serving(tiny_llama_dir):
+    model = str(tiny_llama_dir)
+    requests = [(ids_of(300 + 20 * i, 40 + i), 8) for i in range(4)]
+    llm = LLM(model)
+    expected = [o.token_ids for o in llm.generate(
+        [ids for ids, _ in requests], [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+                                       for _, n in requests])]
+    with WorkerProcess("prefill", model, "--max-num-batched-tokens", "8") as victim, \
+            WorkerProcess("prefill", model) as backup, \
+            WorkerProcess("decode", model, "--kv-transfer-timeout-s", "5") as d:
+
+        async def scenario():
+            d_channel, d_stub = decode_stub(d.address)
+            v_channel, v_stub = prefill_stub(victim.address)
+            async with d_channel, v_channel:
+                calls = [asyncio.ensure_future(collect(d_stub, generate_request(
+                    f"kill-{i}", ids, n, [victim.address, backup.address])))
+                    for i, (ids, n) in enumerate(requests)]
+                await poll(v_stub, lambda s: s.num_running >= 2)
+                victim.kill()  # mid-prefill / mid-transfer
+                started = time.monotonic()
+                results = await asyncio.gather(*calls)
+                elapsed = time.monotonic() - started
+                after = await collect(d_stub, generate_request("after", ids_of(50, 99), 4, [backup.address]))
+                await assert_idle((d.address, "d"), (backup.address, "p"))
+            return results, elapsed, after
+
+        results, elapsed, after = asyncio.run(scenario())
+    for (tokens, finish, prefilled_by), want in zip(results, expected, strict=True):
+        assert finish == "length" and tokens == want  # completed on the retry path, same tokens
+        assert prefilled_by != victim.address
+    assert elapsed < 5 + 10  # within the deadline plus the retry's own time
+    assert after[1] == "length" and len(after[0]) == 4
+
+
+def test_hung_prefill_worker_misses_the_deadline_and_is_abandoned(tiny_llama_dir):
+    model = str(tiny_llama_dir)
+    with WorkerProcess("prefill", model) as hung, WorkerProcess("decode", model, "--kv-transfer-timeout-s", "2") as d:
+
+        async def scenario():
+            d_channel, d_stub = decode_stub(d.address)
+            async with d_channel:
+                hung.proc.send_signal(signal.SIGSTOP)
+                try:
+                    started = time.monotonic()
+                    result = await collect(d_stub, generate_request("hung", ids_of(60, 5), 4, [hung.address]))
+                    elapsed = time.monotonic() - started
+                finally:
+                    hung.proc.send_signal(signal.SIGCONT)
+                await assert_idle((d.address, "d"), (hung.address, "p"))
+            return result, elapsed
+
+        (tokens, finish, prefilled_by), elapsed = asyncio.run(scenario())
+    assert prefilled_by == "local" and finish == "length" and len(tokens) == 4
+    assert 2 <= elapsed < 10
+
+
+def test_prefill_rejects_a_mismatched_layout(workers):
+    from protos import pdserve_pb2 as pb
+
+    async def scenario():
+        channel, stub = prefill_stub(workers["p"].address)
+        async with channel:
+            start = pb.PrefillRequest(request_id="bad-layout", prompt_token_ids=[5, 6, 7],
+                                      sampling=pb.SamplingOptions(max_tokens=1), kv_transport="grpc",
+                                      layout=pb.KVLayout(num_layers=2, block_size=32, num_kv_heads=2,
+                                                         head_dim=16, dtype="float32"))
+            call = stub.Prefill(iter([pb.PrefillClientMessage(start=start)]))
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for _ in call:
+                    pass
+            return info.value
+
+    error = asyncio.run(scenario())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "block_size: 16 vs 32" in error.details()

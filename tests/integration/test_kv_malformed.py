@@ -1,0 +1,104 @@
+"""A misbehaving prefill peer (a test double standing in for the prefill worker, to test the
+real decode worker's boundary): wrong layout, wrong byte counts, unknown transfer ids, a
+truncated stream, an oversized torch header. Each is rejected with a clear error, the
+request still completes (prefilled locally) with the right tokens, and nothing leaks."""
+
+import asyncio
+
+import grpc
+import pytest
+
+from engine import LLM, SamplingParams
+from kv_transfer.grpc_transport import GRPC_CHANNEL_OPTIONS
+from kv_transfer.layout import KVLayout
+from kv_transfer.torch_transport import TorchTransport
+from protos import pdserve_pb2 as pb
+from protos import pdserve_pb2_grpc as pb_grpc
+from tests.workers import WorkerProcess, collect, decode_stub, generate_request, wait_idle
+
+PROMPT = list(range(100, 160))
+
+
+class MisbehavingPrefill(pb_grpc.PrefillWorkerServicer):
+    def __init__(self, layout: KVLayout, mode: str) -> None:
+        self.layout, self.mode = layout, mode
+
+    async def Info(self, request, context):
+        info = pb.WorkerInfo(worker_id=f"fake-{self.mode}", role="prefill", kv_transports=["torch", "grpc"])
+        layout = self.layout
+        if self.mode == "wrong_layout":
+            layout = KVLayout(layout.num_layers, layout.block_size * 2, layout.num_kv_heads,
+                              layout.head_dim, layout.dtype)
+        layout.to_proto(info.layout)
+        return info
+
+    async def Prefill(self, request_iterator, context):
+        start = (await anext(aiter(request_iterator))).start
+        n, tid = len(start.prompt_token_ids), start.transfer_id
+        good = b"\0" * (n * self.layout.token_bytes)
+        if self.mode == "wrong_bytes":
+            yield pb.PrefillServerMessage(kv=pb.KVChunk(transfer_id=tid, layer=0, token_start=0,
+                                                        num_tokens=n, data=good[:-4]))
+        elif self.mode == "unknown_transfer":
+            yield pb.PrefillServerMessage(kv=pb.KVChunk(transfer_id=tid + 999, layer=0, token_start=0,
+                                                        num_tokens=n, data=good))
+        elif self.mode == "truncated":
+            yield pb.PrefillServerMessage(kv=pb.KVChunk(transfer_id=tid, layer=0, token_start=0,
+                                                        num_tokens=n, data=good))
+            return  # the stream ends without the other layers or `done`
+        elif self.mode == "oversized_torch":
+            transport = TorchTransport("fake", self.layout, "cpu", max_piece_tokens=16)
+            sender = await asyncio.to_thread(transport.connect, start.kv_endpoint)
+            import torch
+
+            header = torch.tensor([tid, 0, 0, 1, 10**12], dtype=torch.int64)
+            await asyncio.to_thread(lambda: sender.group.send([header], 0, 0).wait())
+        yield pb.PrefillServerMessage(done=pb.PrefillDone(first_token=7, num_prompt_tokens=n,
+                                                          prefill_worker_id="fake"))
+        await anext(aiter(request_iterator), None)
+
+
+@pytest.fixture(scope="module")
+def decode(tiny_llama_dir):
+    with WorkerProcess("decode", str(tiny_llama_dir), "--kv-transfer-timeout-s", "5") as d:
+        yield d
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama_dir):
+    out = LLM(str(tiny_llama_dir)).generate([PROMPT], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    return out[0].token_ids
+
+
+@pytest.mark.parametrize(
+    ("mode", "transport", "logged"),
+    [
+        ("wrong_layout", "grpc", "KV layouts differ (block_size: 16 vs 32)"),
+        ("wrong_bytes", "grpc", "expected"),
+        ("unknown_transfer", "grpc", "stream carried transfer"),
+        ("truncated", "grpc", "closed the stream before finishing"),
+        ("oversized_torch", "torch", "KV connection to prefill worker lost"),
+    ],
+)
+def test_malformed_kv_is_rejected_and_the_request_still_completes(decode, expected, mode, transport, logged):
+    async def scenario():
+        d_channel, d_stub = decode_stub(decode.address)
+        async with d_channel:
+            layout = KVLayout.from_proto((await d_stub.Info(pb.InfoRequest())).layout)
+            server = grpc.aio.server(options=GRPC_CHANNEL_OPTIONS)
+            pb_grpc.add_PrefillWorkerServicer_to_server(MisbehavingPrefill(layout, mode), server)
+            port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            try:
+                result = await collect(d_stub, generate_request(
+                    f"bad-{mode}", PROMPT, 6, [f"127.0.0.1:{port}"], transport))
+                stats = await wait_idle(d_stub)
+            finally:
+                await server.stop(0)
+            return result, stats
+
+    (tokens, finish, prefilled_by), stats = asyncio.run(scenario())
+    assert prefilled_by == "local", "the bad leg must be abandoned for a local prefill"
+    assert tokens == expected and finish == "length"
+    assert stats.num_free_blocks == stats.num_total_blocks and stats.num_failed_transfers >= 1
+    assert logged in decode.log()

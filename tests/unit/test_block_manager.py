@@ -1,0 +1,80 @@
+"""Block manager properties under random allocate / grow / free / preempt sequences."""
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from engine.block_manager import BlockManager
+
+NUM_BLOCKS, BLOCK_SIZE = 24, 4
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.bm = BlockManager(NUM_BLOCKS, BLOCK_SIZE)
+        self.tokens: dict[str, int] = {}  # model: tokens each live request covers
+
+    @rule(rid=st.sampled_from("abcdefgh"), num_tokens=st.integers(1, 60))
+    def allocate(self, rid, num_tokens):
+        before_free = self.bm.num_free_blocks
+        before_table = list(self.bm.block_table(rid))
+        new = self.bm.allocate_slots(rid, num_tokens)
+        needed = max(0, -(-num_tokens // BLOCK_SIZE) - len(before_table))
+        if needed > before_free:
+            assert new is None
+            assert self.bm.num_free_blocks == before_free
+            assert self.bm.block_table(rid) == before_table
+        else:
+            assert new is not None and len(new) == needed
+            assert self.bm.block_table(rid) == before_table + new
+            self.tokens[rid] = max(self.tokens.get(rid, 0), num_tokens)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def free_or_preempt(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.tokens)))
+        held = len(self.bm.block_table(rid))
+        before = self.bm.num_free_blocks
+        assert self.bm.free(rid) == held
+        assert self.bm.num_free_blocks == before + held
+        del self.tokens[rid]
+
+    @rule(rid=st.sampled_from("xyz"))
+    def double_free_is_harmless(self, rid):
+        before = self.bm.num_free_blocks
+        self.bm.free(rid)
+        self.bm.free(rid)
+        assert self.bm.num_free_blocks == before
+
+    @invariant()
+    def integrity(self):
+        self.bm.check_integrity()
+        owned = sum(len(self.bm.block_table(r)) for r in self.tokens)
+        assert owned + self.bm.num_free_blocks == NUM_BLOCKS
+        for rid, n in self.tokens.items():
+            assert len(self.bm.block_table(rid)) * BLOCK_SIZE >= n
+
+    def teardown(self):
+        for rid in list(self.tokens):
+            self.bm.free(rid)
+        assert self.bm.num_free_blocks == NUM_BLOCKS  # after any run, nothing leaked
+        self.bm.check_integrity()
+
+
+TestBlockManager = BlockManagerMachine.TestCase
+TestBlockManager.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_integrity_check_names_the_counts():
+    bm = BlockManager(4, 2)
+    bm.allocate_slots("a", 3)
+    bm._free.append(bm.block_table("a")[0])  # corrupt: a block both free and owned
+    with pytest.raises(AssertionError, match=r"both free and owned"):
+        bm.check_integrity()
+
+
+def test_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="num_blocks"):
+        BlockManager(0, 16)

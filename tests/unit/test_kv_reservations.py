@@ -1,0 +1,104 @@
+"""The decode side's KV validation: every malformed piece is rejected with a clear error
+and changes no other state."""
+
+import pytest
+import torch
+
+from kv_transfer.layout import KVLayout
+from kv_transfer.reservations import ReservationTable, TransferError
+
+LAYOUT = KVLayout(num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
+
+
+@pytest.fixture
+def table():
+    cache = torch.zeros(3, 2, 10, 4, 2, 8)
+    return ReservationTable(LAYOUT, cache), cache
+
+
+def piece(num_tokens: int, fill: float = 1.0):
+    return torch.full((num_tokens * LAYOUT.token_elements,), fill)
+
+
+def test_pieces_land_in_the_reserved_slots_and_complete(table):
+    tbl, cache = table
+    done = []
+    res = tbl.register("r", [7, 2], num_tokens=6, on_done=lambda: done.append(1))
+    for layer in range(3):
+        tbl.write(res.transfer_id, layer, 0, 4, piece(4, layer + 1.0))
+        tbl.write(res.transfer_id, layer, 4, 2, piece(2, layer + 1.0))
+    assert done == [1] and res.complete
+    assert (cache[1, :, 7] == 2.0).all()  # block 7 holds tokens 0..3
+    assert (cache[2, :, 2, :2] == 3.0).all() and (cache[2, :, 2, 2:] == 0).all()  # tokens 4, 5 only
+    assert cache[:, :, [0, 1, 3, 4, 5, 6, 8, 9]].abs().sum() == 0  # nothing else touched
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((999, 0, 0, 2), r"unknown transfer id 999"),
+        ((None, 3, 0, 2), r"layer 3 outside \[0, 3\)"),
+        ((None, 0, 5, 2), r"tokens \[5, 7\) outside the reservation of 6"),
+        ((None, 0, 0, 0), r"outside the reservation"),
+    ],
+)
+def test_bad_pieces_are_rejected_without_writing(table, args, message):
+    tbl, cache = table
+    res = tbl.register("r", [1, 2], num_tokens=6)
+    transfer_id, layer, start, count = args
+    with pytest.raises(TransferError, match=message):
+        tbl.write(transfer_id or res.transfer_id, layer, start, count, piece(max(count, 1)))
+    assert cache.abs().sum() == 0
+
+
+def test_wrong_size_and_dtype(table):
+    tbl, cache = table
+    res = tbl.register("r", [1, 2], num_tokens=6)
+    with pytest.raises(TransferError, match=r"payload of 63 torch.float32 elements; expected 64"):
+        tbl.write(res.transfer_id, 0, 0, 2, piece(2)[:-1])
+    with pytest.raises(TransferError, match=r"expected 64 torch.float32"):
+        tbl.write(res.transfer_id, 0, 0, 2, piece(2).double())
+    with pytest.raises(TransferError, match=r"payload of 10 bytes; expected 256"):
+        tbl.write_bytes(res.transfer_id, 0, 0, 2, b"0" * 10)  # truncated
+    assert cache.abs().sum() == 0
+
+
+def test_duplicate_piece_and_foreign_peer(table):
+    tbl, _ = table
+    res = tbl.register("r", [1, 2], num_tokens=6, peer="P1")
+    tbl.write(res.transfer_id, 0, 0, 2, piece(2), peer="P1")
+    with pytest.raises(TransferError, match=r"sent twice"):
+        tbl.write(res.transfer_id, 0, 1, 2, piece(2), peer="P1")
+    with pytest.raises(TransferError, match=r"belongs to P1, not P2"):
+        tbl.write(res.transfer_id, 1, 0, 2, piece(2), peer="P2")
+
+
+def test_one_bad_transfer_leaves_others_alone(table):
+    tbl, cache = table
+    good = tbl.register("good", [3], num_tokens=4)
+    bad = tbl.register("bad", [4], num_tokens=4)
+    tbl.fail(bad.transfer_id, "peer sent garbage")
+    with pytest.raises(TransferError, match="already peer sent garbage"):
+        tbl.write(bad.transfer_id, 0, 0, 4, piece(4))
+    for layer in range(3):
+        tbl.write(good.transfer_id, layer, 0, 4, piece(4))
+    assert good.complete and bad.error == "peer sent garbage"
+    assert cache[:, :, 4].abs().sum() == 0
+
+
+def test_after_release_nothing_can_write(table):
+    tbl, cache = table
+    res = tbl.register("r", [5], num_tokens=4)
+    tbl.release(res.transfer_id)
+    with pytest.raises(TransferError, match="unknown transfer id"):
+        tbl.write(res.transfer_id, 0, 0, 4, piece(4))
+    assert cache.abs().sum() == 0 and len(tbl) == 0
+
+
+def test_layout_mismatch_names_fields():
+    other = KVLayout(num_layers=3, block_size=16, num_kv_heads=2, head_dim=8, dtype="bfloat16")
+    message = LAYOUT.mismatch(other)
+    assert "block_size: 4 vs 16" in message and "dtype: float32 vs bfloat16" in message
+    assert LAYOUT.mismatch(LAYOUT) is None
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        KVLayout(1, 1, 1, 1, "int8")

@@ -1,0 +1,110 @@
+"""Start real prefill/decode worker processes for tests, and talk to them over gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+from kv_transfer.grpc_transport import GRPC_CHANNEL_OPTIONS
+from protos import pdserve_pb2 as pb
+from protos import pdserve_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class WorkerProcess:
+    """A worker subprocess. Use as a context manager, or call `stop()`."""
+
+    def __init__(self, role: str, model: str, *args: str, ready_timeout_s: float = 180.0,
+                 env: dict | None = None) -> None:
+        self.role = role
+        ready = Path(tempfile.mkdtemp()) / "ready"
+        self.log_path = ready.with_name("log")
+        cmd = [sys.executable, "-m", f"{role}_worker", "--model", model, "--ready-file", str(ready), *args]
+        self._log = open(self.log_path, "w")
+        full_env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", **(env or {})}
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
+        deadline = time.monotonic() + ready_timeout_s
+        while not ready.exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{role} worker exited {self.proc.returncode}:\n{self.log()}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"{role} worker not ready after {ready_timeout_s}s:\n{self.log()}")
+            time.sleep(0.1)
+        self.address = ready.read_text().strip()
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()[-4000:]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._log.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def decode_stub(address: str) -> tuple[grpc.aio.Channel, pb_grpc.DecodeWorkerStub]:
+    channel = grpc.aio.insecure_channel(address, options=GRPC_CHANNEL_OPTIONS)
+    return channel, pb_grpc.DecodeWorkerStub(channel)
+
+
+def prefill_stub(address: str) -> tuple[grpc.aio.Channel, pb_grpc.PrefillWorkerStub]:
+    channel = grpc.aio.insecure_channel(address, options=GRPC_CHANNEL_OPTIONS)
+    return channel, pb_grpc.PrefillWorkerStub(channel)
+
+
+def generate_request(request_id: str, ids: list[int], max_tokens: int, prefill: list[str],
+                     transport: str = "torch", temperature: float = 0.0, seed: int | None = None,
+                     top_p: float = 1.0, top_k: int = 0) -> pb.GenerateRequest:
+    sampling = pb.SamplingOptions(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                  top_k=top_k, ignore_eos=True)
+    if seed is not None:
+        sampling.seed = seed
+    return pb.GenerateRequest(request_id=request_id, prompt_token_ids=ids, sampling=sampling,
+                              prefill_addresses=prefill, kv_transport=transport)
+
+
+async def collect(stub, request: pb.GenerateRequest) -> tuple[list[int], str, str]:
+    """Run a Generate stream to its end: (token ids, finish reason, prefilled_by)."""
+    tokens, finish, prefilled_by = [], "", ""
+    async for chunk in stub.Generate(request):
+        tokens.extend(chunk.token_ids)
+        prefilled_by = prefilled_by or chunk.prefilled_by
+        finish = chunk.finish_reason or finish
+    return tokens, finish, prefilled_by
+
+
+async def wait_idle(stub, timeout_s: float = 20.0) -> pb.WorkerStats:
+    """Poll Stats until the worker holds no request and all blocks are free."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = await stub.Stats(pb.StatsRequest())
+        idle = stats.num_free_blocks == stats.num_total_blocks and not stats.num_running \
+            and not stats.num_waiting and not stats.num_waiting_for_kv
+        if idle or time.monotonic() > deadline:
+            return stats
+        await asyncio.sleep(0.1)
