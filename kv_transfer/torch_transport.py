@@ -59,6 +59,7 @@ class TorchTransport:
         self._receivers: dict[str, _PairReceiver] = {}
         self._generation: dict[str, int] = defaultdict(int)
         self._senders: dict[str, TorchPairSender] = {}
+        self._connecting: dict[str, threading.Lock] = {}
 
     # ------------------------------------------------------------ decode side
     def listen(self, table: ReservationTable) -> str:
@@ -86,11 +87,18 @@ class TorchTransport:
 
     # ------------------------------------------------------------ prefill side
     def connect(self, endpoint: str) -> TorchPairSender:
-        """Join the pair named by `endpoint` (blocking until the group forms)."""
+        """Join the pair named by `endpoint` (blocking until the group forms). Concurrent
+        callers for one endpoint share one group."""
         with self._lock:
-            sender = self._senders.get(endpoint)
+            endpoint_lock = self._connecting.setdefault(endpoint, threading.Lock())
+        with endpoint_lock:
+            with self._lock:
+                sender = self._senders.get(endpoint)
             if sender is not None and not sender.broken:
                 return sender
+            return self._join(endpoint)
+
+    def _join(self, endpoint: str) -> TorchPairSender:
         address, _, prefix = endpoint.partition("/")
         host, _, port = address.rpartition(":")
         if not prefix or not port.isdigit():

@@ -43,7 +43,8 @@ class WorkerProcess:
         self.address = ready.read_text().strip()
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text()[-4000:]
 
     def kill(self) -> None:
