@@ -59,3 +59,23 @@ class KVLayout:
     def from_proto(cls, message) -> KVLayout:
         return cls(int(message.num_layers), int(message.block_size), int(message.num_kv_heads),
                    int(message.head_dim), str(message.dtype))
+
+
+# Ops on tensors larger than this many elements run on torch's OpenMP pool, whose threads
+# then spin for a while; on a transport's I/O thread that steals the core its socket needs
+# (measured: gloo receive 0.9 GB/s with parallel copies vs 2.4 GB/s with serial ones).
+_SERIAL_ELEMENTS = 32768
+
+
+def serial_index_copy(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    """`dst.index_copy_(0, index, src)` in pieces small enough to stay on this thread."""
+    rows = max(1, _SERIAL_ELEMENTS // max(1, src[0].numel()))
+    for start in range(0, src.shape[0], rows):
+        dst.index_copy_(0, index[start : start + rows], src[start : start + rows])
+
+
+def serial_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """`dst.copy_(src)` for same-shape tensors, in pieces that stay on this thread."""
+    rows = max(1, _SERIAL_ELEMENTS // max(1, src[0].numel()))
+    for start in range(0, src.shape[0], rows):
+        dst[start : start + rows].copy_(src[start : start + rows])

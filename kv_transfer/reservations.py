@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kv_transfer.layout import KVLayout
+from kv_transfer.layout import KVLayout, serial_index_copy
 
 
 class TransferError(Exception):
@@ -99,8 +99,12 @@ class ReservationTable:
                 raise TransferError(f"layer {layer} tokens [{token_start}, {end}) sent twice")
             kv = payload.view(2, num_tokens, layout.num_kv_heads, layout.head_dim)
             slots = res.slots[token_start:end]
-            self._flat_k[layer].index_copy_(0, slots, kv[0].to(self._device))
-            self._flat_v[layer].index_copy_(0, slots, kv[1].to(self._device))
+            if self._device.type == "cpu":
+                serial_index_copy(self._flat_k[layer], slots, kv[0])
+                serial_index_copy(self._flat_v[layer], slots, kv[1])
+            else:
+                self._flat_k[layer].index_copy_(0, slots, kv[0].to(self._device))
+                self._flat_v[layer].index_copy_(0, slots, kv[1].to(self._device))
             res.received[layer, token_start:end] = True
             if res.received.all():
                 res.complete = True

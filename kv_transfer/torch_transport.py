@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from kv_transfer.base import KVSender, KVTransportError, thread_safe_notifier
-from kv_transfer.layout import KVLayout
+from kv_transfer.layout import KVLayout, serial_copy
 from kv_transfer.reservations import ReservationTable, TransferError
 
 logger = logging.getLogger(__name__)
@@ -122,38 +122,54 @@ class TorchTransport:
 
 
 class _PairReceiver(threading.Thread):
-    """Decode side of one pair: forms the group, then receives pieces until it breaks."""
+    """Decode side of one pair: forms the group, then receives pieces until it breaks.
+
+    Receiving and writing into the cache overlap: this thread receives into one staging
+    buffer while a writer thread validates and copies the previous one into the cache.
+    """
 
     def __init__(self, peer_id: str, prefix: str, store, transport: TorchTransport) -> None:
         super().__init__(name=f"kv-recv-{peer_id[:8]}", daemon=True)
         self.peer_id, self.prefix, self.store, self.transport = peer_id, prefix, store, transport
         self.broken = False
+        self._free: queue.Queue = queue.Queue()
+        self._received: queue.Queue = queue.Queue()
 
     def run(self) -> None:
         t = self.transport
-        table = t._table
+        writer = threading.Thread(target=self._write_loop, name=f"kv-write-{self.peer_id[:8]}", daemon=True)
         try:
             group = _make_group(self.store, 0, t.device, t.timeout_s)
             header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=t.device)
-            staging = torch.empty(t.capacity, dtype=t.layout.torch_dtype, device=t.device)
+            for _ in range(2):
+                self._free.put(torch.empty(t.capacity, dtype=t.layout.torch_dtype, device=t.device))
+            writer.start()
             while not self.broken:
+                staging = self._free.get()
                 group.recv([header], 1, _TAG).wait()
                 transfer_id, layer, start, count, numel = header.tolist()
                 if not 0 <= numel <= t.capacity:
-                    raise KVTransportError(
-                        f"peer announced {numel} elements; staging holds {t.capacity}")
-                payload = staging[:numel]
-                group.recv([payload], 1, _TAG).wait()
-                try:
-                    table.write(transfer_id, layer, start, count, payload, peer=self.peer_id)
-                except TransferError as exc:
-                    logger.warning("rejected KV piece from %s: %s", self.peer_id, exc)
-                    table.fail(transfer_id, str(exc))
+                    raise KVTransportError(f"peer announced {numel} elements; staging holds {t.capacity}")
+                group.recv([staging[:numel]], 1, _TAG).wait()
+                self._received.put((transfer_id, layer, start, count, staging, numel))
         except Exception as exc:  # noqa: BLE001 - the pair is unusable from here on
             if not self.broken:
                 logger.warning("KV pair with %s broke: %s", self.peer_id, exc)
             self.broken = True
-            table.fail_peer(self.peer_id, f"KV connection to prefill worker lost: {exc}")
+            self._received.put(None)
+            t._table.fail_peer(self.peer_id, f"KV connection to prefill worker lost: {exc}")
+
+    def _write_loop(self) -> None:
+        table = self.transport._table
+        while (item := self._received.get()) is not None:
+            transfer_id, layer, start, count, staging, numel = item
+            try:
+                table.write(transfer_id, layer, start, count, staging[:numel], peer=self.peer_id)
+            except TransferError as exc:
+                logger.warning("rejected KV piece from %s: %s", self.peer_id, exc)
+                table.fail(transfer_id, str(exc))
+            finally:
+                self._free.put(staging)
 
 
 class TorchPairSender(KVSender):
@@ -186,8 +202,9 @@ class TorchPairSender(KVSender):
         buffer = self._take_buffer()
         count = k.shape[0]
         numel = 2 * k.numel()
-        buffer[: k.numel()].view_as(k).copy_(k)
-        buffer[k.numel() : numel].view_as(v).copy_(v)
+        copy = serial_copy if buffer.device.type == "cpu" else torch.Tensor.copy_
+        copy(buffer[: k.numel()].view(k.shape), k)
+        copy(buffer[k.numel() : numel].view(v.shape), v)
         with self._cond:
             self._pending[transfer_id] += 1
         self._outbox.put((transfer_id, layer, token_start, count, numel, buffer))

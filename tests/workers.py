@@ -24,11 +24,11 @@ class WorkerProcess:
     """A worker subprocess. Use as a context manager, or call `stop()`."""
 
     def __init__(self, role: str, model: str, *args: str, ready_timeout_s: float = 180.0,
-                 env: dict | None = None) -> None:
+                 env: dict | None = None, launcher: tuple[str, ...] = ()) -> None:
         self.role = role
         ready = Path(tempfile.mkdtemp()) / "ready"
         self.log_path = ready.with_name("log")
-        cmd = [sys.executable, "-m", f"{role}_worker", "--model", model, "--ready-file", str(ready), *args]
+        cmd = [*launcher, sys.executable, "-m", f"{role}_worker", "--model", model, "--ready-file", str(ready), *args]
         self._log = open(self.log_path, "w")
         full_env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", **(env or {})}
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
