@@ -1,0 +1,40 @@
+"""Operator endpoints: `GET /admin/status`, `POST /admin/scale`. They need
+`Authorization: Bearer <token>` with the token from the config or `PDSERVE_ADMIN_TOKEN`;
+without a configured token they are disabled."""
+
+from __future__ import annotations
+
+import hmac
+
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+from router.errors import APIError
+
+
+class ScaleRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    prefill: StrictInt | None = Field(default=None, ge=0, le=1024)
+    decode: StrictInt | None = Field(default=None, ge=1, le=1024)
+
+
+def install_admin(app: FastAPI, router) -> None:
+    def authorize(request: Request) -> None:
+        token = router.config.admin_token
+        if not token:
+            raise APIError(403, "admin endpoints are disabled: set admin_token in the config or PDSERVE_ADMIN_TOKEN")
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            raise APIError(401, "missing or wrong bearer token for /admin")
+        if router.controller is None:
+            raise APIError(503, "this router runs without a cluster controller")
+
+    @app.get("/admin/status")
+    async def admin_status(request: Request):
+        authorize(request)
+        return await router.controller.status.remote()
+
+    @app.post("/admin/scale")
+    async def admin_scale(request: Request, body: ScaleRequest):
+        authorize(request)
+        return await router.controller.scale.remote(prefill=body.prefill, decode=body.decode)

@@ -1,0 +1,285 @@
+"""The OpenAI-compatible HTTP front end (FastAPI under uvicorn).
+
+Validation happens here, at the edge, before anything is routed: a body that is not JSON
+(400), wrong types (422), out-of-range or unsupported values (400), a prompt longer than
+the model allows (400), an unknown model (404), a body over `max_body_bytes` (413), more
+than `max_inflight_requests` open (429, Retry-After), no workers (503). Every error is an
+OpenAI error object naming the field; none of them changes any state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from engine.sampling_params import SamplingParams
+from router import protocol
+from router.admin import install_admin
+from router.errors import APIError, install_handlers, validation_message
+from router.generation import Generation, GenerationError
+from router.metrics import RouterMetrics
+from router.policies import make_policy
+from router.registry import WorkerRegistry
+
+logger = logging.getLogger("router")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model: str  # what the tokenizer is loaded from (name or path, as for the engine)
+    served_model_name: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    routing: str = "least-loaded"
+    max_inflight_requests: int = 256
+    max_body_bytes: int = 4 * 1024 * 1024
+    admin_token: str | None = None
+    kv_transport: str = "torch"
+    request_timeout_s: float = 600.0
+
+
+class Router:
+    """Shared state of one router process: config, tokenizer, registry, policy, metrics."""
+
+    def __init__(self, config: RouterConfig, registry: WorkerRegistry, controller=None) -> None:
+        self.config, self.registry, self.controller = config, registry, controller
+        self.policy = make_policy(config.routing)
+        self.metrics = RouterMetrics(registry)
+        self.tokenizer = None
+        self.inflight = 0
+
+    async def start(self) -> None:
+        from engine.model_source import resolve_model
+        from engine.tokenizer import load_tokenizer
+
+        model_dir = await asyncio.to_thread(resolve_model, self.config.model)
+        self.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
+        await self.registry.start()
+
+    def pick_decode(self, exclude: set[str] = frozenset()):
+        workers = [w for w in self.registry.workers("decode") if w.worker_id not in exclude]
+        if not workers:
+            raise APIError(503, "no decode worker is available; retry later", headers={"Retry-After": "1"})
+        return self.policy.pick_decode(workers)
+
+    def order_prefill(self):
+        return self.policy.order_prefill(self.registry.workers("prefill"))
+
+
+def build_app(router: Router) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await router.start()
+        yield
+        await router.registry.stop()
+
+    app = FastAPI(title="pdserve", version="0.1.0", lifespan=lifespan)
+    app.state.router = router
+    install_handlers(app)
+    install_admin(app, router)
+    config = router.config
+
+    @app.get("/health")
+    async def health():
+        ready = bool(router.registry.workers("decode")) and router.registry.model.ready.is_set()
+        body = {"status": "ok" if ready else "starting", "decode_workers": len(router.registry.workers("decode")),
+                "prefill_workers": len(router.registry.workers("prefill"))}
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": config.served_model_name, "object": "model",
+                                            "created": 0, "owned_by": "pdserve",
+                                            "max_model_len": router.registry.model.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        body, content_type = router.metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await _read_body(request, protocol.CompletionRequest, config.max_body_bytes)
+        ids = _completion_prompt(router, body.prompt)
+        return await _serve(request, router, body, ids, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await _read_body(request, protocol.ChatCompletionRequest, config.max_body_bytes)
+        if router.tokenizer is None or not getattr(router.tokenizer, "chat_template", None):
+            raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
+        from engine.tokenizer import apply_chat_template
+
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        ids = apply_chat_template(router.tokenizer, messages)
+        return await _serve(request, router, body, ids, chat=True)
+
+    return app
+
+
+async def _read_body(request: Request, model, max_bytes: int):
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > max_bytes:
+        raise APIError(413, f"request body of {declared} bytes exceeds the limit of {max_bytes}")
+    raw = bytearray()
+    async for part in request.stream():
+        raw += part
+        if len(raw) > max_bytes:
+            raise APIError(413, f"request body exceeds the limit of {max_bytes} bytes")
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        message, param = validation_message(exc)
+        raise APIError(422, message, param) from None
+
+
+def _completion_prompt(router: Router, prompt) -> list[int]:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) != 1:
+            raise APIError(400, "prompt: batches are not supported; send one prompt per request", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise APIError(400, "prompt: must not be empty", "prompt")
+        if router.tokenizer is None:
+            raise APIError(400, "prompt: this model has no tokenizer; send token ids", "prompt")
+        return router.tokenizer(prompt).input_ids
+    vocab = router.registry.model.vocab_size
+    if not prompt:
+        raise APIError(400, "prompt: must not be empty", "prompt")
+    bad = [t for t in prompt if not 0 <= t < (vocab or 1 << 62)]
+    if bad:
+        raise APIError(400, f"prompt: token ids must be in [0, {vocab}); got {bad[:5]}", "prompt")
+    return list(prompt)
+
+
+def _sampling(body, router: Router, num_prompt_tokens: int) -> SamplingParams:
+    unsupported = body.unsupported()
+    if unsupported:
+        raise APIError(400, unsupported, unsupported.split(":")[0])
+    if getattr(body, "echo", False) or getattr(body, "suffix", None):
+        raise APIError(400, "echo/suffix: not supported", "echo")
+    max_len = router.registry.model.max_model_len
+    if max_len and num_prompt_tokens >= max_len:
+        raise APIError(400, f"prompt has {num_prompt_tokens} tokens but the model's maximum context length "
+                            f"is {max_len}; shorten the prompt", "prompt", "context_length_exceeded")
+    max_tokens = body.requested_max_tokens
+    if max_len:
+        max_tokens = min(max_tokens, max_len - num_prompt_tokens)
+    try:
+        return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                              top_k=max(0, body.top_k), seed=body.seed, stop=tuple(body.stop_list()),
+                              stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos)
+    except ValueError as exc:
+        raise APIError(400, str(exc), str(exc).split(" ")[0]) from None
+
+
+async def _serve(request: Request, router: Router, body, ids: list[int], chat: bool):
+    if body.model != router.config.served_model_name:
+        raise APIError(404, f"model {body.model!r} does not exist; this server serves "
+                            f"{router.config.served_model_name!r} (GET /v1/models)", "model", "model_not_found")
+    if not router.registry.model.ready.is_set():
+        raise APIError(503, "no decode worker is ready yet; retry shortly", headers={"Retry-After": "1"})
+    params = _sampling(body, router, len(ids))
+    if router.inflight >= router.config.max_inflight_requests:
+        router.metrics.rejected.inc()
+        raise APIError(429, f"server busy: {router.inflight} requests in flight (limit "
+                            f"{router.config.max_inflight_requests}); retry later", headers={"Retry-After": "1"})
+    router.pick_decode()  # 503 now, before a stream starts, if there is no decode worker
+    rid = protocol.new_id("chatcmpl" if chat else "cmpl")
+    generation = Generation(router, rid, ids, params)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        stream = _sse(router, generation, body.model, chat, include_usage)
+        return StreamingResponse(stream, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    _begin(router)
+    try:
+        text = await _collect(request, generation)
+    finally:
+        _done(router, generation)
+    build = protocol.chat_response if chat else protocol.completion_response
+    return JSONResponse(build(rid, body.model, text, generation.result.finish_reason, len(ids),
+                              generation.result.num_completion_tokens))
+
+
+async def _collect(request: Request, generation: Generation) -> str:
+    """Run a non-streaming request; a client that disconnects aborts it."""
+    parts: list[str] = []
+
+    async def run():
+        async for delta in generation.deltas():
+            parts.append(delta.text)
+
+    task = asyncio.ensure_future(run())
+    try:
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if not done and await request.is_disconnected():
+                task.cancel()
+        await task
+    except GenerationError as exc:
+        raise APIError(exc.status, str(exc)) from None
+    except asyncio.CancelledError:
+        generation.result.finish_reason = "abort"
+        raise
+    return "".join(parts)
+
+
+async def _sse(router: Router, generation: Generation, model: str, chat: bool, include_usage: bool):
+    rid, created = generation.request_id, int(time.time())
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def event(payload: dict) -> bytes:
+        return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+    _begin(router)  # counted from the first iteration: a stream never started holds nothing
+    try:
+        if chat:
+            yield event(protocol.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None))
+        try:
+            async for delta in generation.deltas():
+                if chat:
+                    content = {"content": delta.text} if delta.text else {}
+                    yield event(protocol.chat_chunk(rid, model, created, content, delta.finish_reason))
+                else:
+                    yield event(protocol.completion_chunk(rid, model, created, delta.text, delta.finish_reason))
+        except (GenerationError, APIError) as exc:
+            status = getattr(exc, "status", 503)
+            generation.result.finish_reason = "error"
+            yield event({"error": {"message": str(exc), "type": "server_error", "code": status}})
+            yield b"data: [DONE]\n\n"
+            return
+        if include_usage:
+            yield event(protocol.usage_chunk(rid, model, created, kind, len(generation.prompt_ids),
+                                             generation.result.num_completion_tokens))
+        yield b"data: [DONE]\n\n"
+    finally:
+        if generation.result.finish_reason is None:
+            generation.result.finish_reason = "abort"  # the client went away mid-stream
+        _done(router, generation)
+
+
+def _begin(router: Router) -> None:
+    router.inflight += 1
+    router.metrics.inflight.inc()
+
+
+def _done(router: Router, generation: Generation) -> None:
+    router.inflight -= 1
+    router.metrics.inflight.dec()
+    router.metrics.observe(generation)

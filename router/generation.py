@@ -1,0 +1,127 @@
+"""One request's decode leg, as the router owns it.
+
+Lifecycle (DESIGN.md): RECEIVED → ROUTED(P, D) → STREAMING → FINISHED | ABORTED | FAILED.
+The router picks a decode worker and the prefill workers it may use, opens the decode
+worker's `Generate` stream, detokenizes, and applies stop strings (cancelling the stream
+when one matches, which aborts the request on both workers). A decode worker that is
+unavailable before the first token (draining, or gone) is replaced once by another; a
+failure after that ends the request with a clear error. Leaving the generator early
+(client gone) cancels the stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import SamplingParams
+from protos import pdserve_pb2 as pb
+from protos.convert import sampling_to_proto
+
+logger = logging.getLogger(__name__)
+
+
+class GenerationError(Exception):
+    """The request failed after routing; the message is for the client."""
+
+    def __init__(self, message: str, status: int = 503) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Delta:
+    text: str
+    num_tokens: int
+    finish_reason: str | None = None
+
+
+@dataclass
+class Result:
+    num_completion_tokens: int = 0
+    finish_reason: str | None = None
+    first_token_at: float | None = None
+    decode_worker: str = ""
+    prefilled_by: str = ""
+
+
+class Generation:
+    def __init__(self, router, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.router, self.request_id = router, request_id
+        self.prompt_ids, self.params = prompt_ids, params
+        self.result = Result()
+        self.started = time.perf_counter()
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        tried: set[str] = set()
+        for _attempt in range(2):
+            decode = self.router.pick_decode(exclude=tried)
+            tried.add(decode.worker_id)
+            try:
+                async for delta in self._stream_from(decode):
+                    yield delta
+                return
+            except _RetryElsewhere as exc:
+                logger.warning("request_id=%s decode worker %s unavailable (%s); retrying",
+                               self.request_id, decode.worker_id, exc)
+                self.router.registry.mark_unhealthy(decode)
+        raise GenerationError("no decode worker could take the request; retry later")
+
+    async def _stream_from(self, decode) -> AsyncIterator[Delta]:
+        router, params = self.router, self.params
+        prefill = router.order_prefill()[:2]
+        request = pb.GenerateRequest(
+            request_id=self.request_id, prompt_token_ids=self.prompt_ids,
+            sampling=sampling_to_proto(params), prefill_addresses=[p.address for p in prefill],
+            kv_transport=router.config.kv_transport,
+        )
+        detok = IncrementalDetokenizer(router.tokenizer, self.prompt_ids, params.stop, params.skip_special_tokens)
+        self.result.decode_worker = decode.worker_id
+        call = decode.stub.Generate(request, timeout=router.config.request_timeout_s)
+        decode.inflight += 1
+        if prefill:
+            prefill[0].inflight_tokens += len(self.prompt_ids)
+        worker_done = False  # the decode worker ended the request itself
+        try:
+            async for chunk in call:
+                if self.result.first_token_at is None and chunk.token_ids:
+                    self.result.first_token_at = time.perf_counter()
+                    self.result.prefilled_by = chunk.prefilled_by
+                    if prefill:
+                        prefill[0].inflight_tokens -= len(self.prompt_ids)
+                text = "".join(detok.add_token(t) for t in chunk.token_ids if not detok.stopped)
+                self.result.num_completion_tokens += len(chunk.token_ids)
+                worker_done = bool(chunk.finish_reason)
+                finish = "stop" if detok.stopped else (chunk.finish_reason or None)
+                if finish:
+                    text += detok.flush()
+                    self.result.finish_reason = finish
+                    yield Delta(text, len(chunk.token_ids), finish)
+                    return
+                if text or chunk.token_ids:
+                    yield Delta(text, len(chunk.token_ids))
+            raise GenerationError("decode worker ended the stream without a finish reason", 502)
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if self.result.first_token_at is None and code in (grpc.StatusCode.UNAVAILABLE,
+                                                               grpc.StatusCode.ALREADY_EXISTS):
+                raise _RetryElsewhere(exc.details()) from None
+            if code == grpc.StatusCode.INVALID_ARGUMENT:
+                raise GenerationError(exc.details(), 400) from None
+            router.registry.mark_unhealthy(decode)
+            raise GenerationError(f"decode worker {decode.worker_id} failed: {code.name}: {exc.details()}") from None
+        finally:
+            decode.inflight -= 1
+            if prefill and self.result.first_token_at is None:
+                prefill[0].inflight_tokens -= len(self.prompt_ids)
+            if not worker_done:
+                call.cancel()  # stop string, client gone or error: abort on the workers
+
+
+class _RetryElsewhere(Exception):
+    pass

@@ -1,0 +1,122 @@
+"""OpenAI-compatible request bodies (validated with pydantic at the edge) and response shapes."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
+
+NonNegInt = Annotated[StrictInt, Field(ge=0)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: StrictBool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields both endpoints share. Unknown fields are rejected, except a few that OpenAI
+    clients send with neutral values (checked in `unsupported`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="served model name (GET /v1/models)")
+    max_tokens: StrictInt | None = Field(default=None, ge=1, description="tokens to generate (default 16)")
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: StrictFloat = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: StrictFloat = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: StrictInt = Field(default=0, ge=-1, description="-1 or 0 disables")
+    seed: NonNegInt | None = None
+    stop: str | list[str] | None = Field(default=None, description="up to 4 stop strings")
+    stop_token_ids: list[NonNegInt] | None = None
+    ignore_eos: StrictBool = False
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    n: StrictInt = 1
+    user: str | None = None
+    presence_penalty: StrictFloat = 0.0
+    frequency_penalty: StrictFloat = 0.0
+    logprobs: StrictBool | StrictInt | None = None
+    logit_bias: dict | None = None
+
+    def stop_list(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return stops
+
+    def unsupported(self) -> str | None:
+        """A message naming a field whose value pdserve does not implement, or None."""
+        if self.n != 1:
+            return "n: only n=1 is supported"
+        if self.presence_penalty or self.frequency_penalty:
+            return "presence_penalty/frequency_penalty: penalties are not supported"
+        if self.logprobs:
+            return "logprobs: not supported"
+        if self.logit_bias:
+            return "logit_bias: not supported"
+        if len(self.stop_list()) > 4 or any(not s for s in self.stop_list()):
+            return "stop: at most 4 non-empty strings"
+        return None
+
+    @property
+    def requested_max_tokens(self) -> int:
+        return self.max_tokens or self.max_completion_tokens or 16
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]] = Field(
+        description="text, token ids, or a list holding exactly one of those")
+    echo: StrictBool = False
+    suffix: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_response(rid: str, model: str, text: str, finish: str, prompt_tokens: int,
+                        completion_tokens: int) -> dict:
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def chat_response(rid: str, model: str, text: str, finish: str, prompt_tokens: int,
+                  completion_tokens: int) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": None, "finish_reason": finish}],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def completion_chunk(rid: str, model: str, created: int, text: str, finish: str | None) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+
+
+def chat_chunk(rid: str, model: str, created: int, delta: dict, finish: str | None) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+
+def usage_chunk(rid: str, model: str, created: int, kind: str, prompt_tokens: int,
+                completion_tokens: int) -> dict:
+    return {"id": rid, "object": kind, "created": created, "model": model, "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens)}

@@ -1,0 +1,143 @@
+"""The router's view of the worker pools: membership (from the cluster controller, or a
+static list), per-worker gRPC stubs, and load from the workers' `Stats`, refreshed in the
+background. A worker that fails a call is kept out of routing for a few seconds; one the
+membership source no longer lists (dead, removed) is dropped at the next refresh."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from kv_transfer.grpc_transport import GRPC_CHANNEL_OPTIONS
+from protos import pdserve_pb2 as pb
+from protos import pdserve_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+MembershipSource = Callable[[], Awaitable[list[dict]]]
+
+
+@dataclass
+class WorkerView:
+    role: str
+    worker_id: str
+    address: str
+    state: str  # "ready" | "draining"
+    channel: grpc.aio.Channel
+    stub: object
+    stats: pb.WorkerStats | None = None
+    inflight: int = 0  # requests this router has open on the worker
+    inflight_tokens: int = 0  # prompt tokens this router sent it (prefill) not yet prefilled
+    unhealthy_until: float = 0.0
+
+    @property
+    def routable(self) -> bool:
+        return self.state == "ready" and time.monotonic() >= self.unhealthy_until
+
+
+@dataclass
+class ModelInfo:
+    max_model_len: int = 0
+    vocab_size: int = 0
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class WorkerRegistry:
+    def __init__(self, source: MembershipSource, refresh_s: float = 0.5, stats_s: float = 0.25) -> None:
+        self.source, self.refresh_s, self.stats_s = source, refresh_s, stats_s
+        self._views: dict[str, WorkerView] = {}
+        self.model = ModelInfo()
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        await self.refresh()
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._every(self.refresh_s, self.refresh)),
+                       loop.create_task(self._every(self.stats_s, self.poll_stats))]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for view in self._views.values():
+            await view.channel.close()
+
+    def workers(self, role: str, routable: bool = True) -> list[WorkerView]:
+        return [v for v in self._views.values() if v.role == role and (v.routable or not routable)]
+
+    def mark_unhealthy(self, view: WorkerView, seconds: float = 3.0) -> None:
+        view.unhealthy_until = time.monotonic() + seconds
+
+    async def refresh(self) -> None:
+        try:
+            members = await self.source()
+        except Exception as exc:  # noqa: BLE001 - keep the last known membership
+            logger.warning("membership refresh failed: %s", exc)
+            return
+        seen = set()
+        for m in members:
+            seen.add(m["worker_id"])
+            view = self._views.get(m["worker_id"])
+            if view is None:
+                channel = grpc.aio.insecure_channel(m["address"], options=GRPC_CHANNEL_OPTIONS)
+                stub_class = pb_grpc.DecodeWorkerStub if m["role"] == "decode" else pb_grpc.PrefillWorkerStub
+                view = WorkerView(m["role"], m["worker_id"], m["address"], m["state"], channel, stub_class(channel))
+                self._views[m["worker_id"]] = view
+                logger.info("worker joined role=%s id=%s address=%s", view.role, view.worker_id, view.address)
+            view.state = m["state"]
+        for worker_id in list(self._views):
+            if worker_id not in seen:
+                view = self._views.pop(worker_id)
+                logger.info("worker left role=%s id=%s", view.role, worker_id)
+                await view.channel.close()
+        if not self.model.ready.is_set():
+            await self._learn_model()
+
+    async def _learn_model(self) -> None:
+        for view in self.workers("decode", routable=False):
+            try:
+                info = await view.stub.Info(pb.InfoRequest(), timeout=5)
+            except grpc.aio.AioRpcError:
+                continue
+            self.model.max_model_len, self.model.vocab_size = info.max_model_len, info.vocab_size
+            self.model.ready.set()
+            return
+
+    async def poll_stats(self) -> None:
+        async def one(view: WorkerView) -> None:
+            try:
+                view.stats = await view.stub.Stats(pb.StatsRequest(), timeout=2)
+            except grpc.aio.AioRpcError:
+                self.mark_unhealthy(view)
+
+        await asyncio.gather(*(one(v) for v in list(self._views.values())))
+
+    async def _every(self, seconds: float, fn) -> None:
+        while True:
+            await asyncio.sleep(seconds)
+            try:
+                await fn()
+            except Exception:  # noqa: BLE001 - background upkeep must not die
+                logger.exception("registry upkeep failed")
+
+
+def static_source(prefill: list[str], decode: list[str]) -> MembershipSource:
+    """Membership from fixed addresses (bare workers, no Ray): asks each for its id once."""
+    known: dict[str, dict] = {}
+
+    async def source() -> list[dict]:
+        for role, addresses in (("prefill", prefill), ("decode", decode)):
+            for address in addresses:
+                if address in known:
+                    continue
+                async with grpc.aio.insecure_channel(address) as channel:
+                    stub = (pb_grpc.DecodeWorkerStub if role == "decode" else pb_grpc.PrefillWorkerStub)(channel)
+                    info = await stub.Info(pb.InfoRequest(), timeout=5)
+                known[address] = {"role": role, "worker_id": info.worker_id, "address": address, "state": "ready"}
+        return list(known.values())
+
+    return source
