@@ -3,7 +3,6 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.pdserve-installed
-PROMPT ?= What is continuous batching in LLM serving?
 
 .PHONY: serve test lint bench-engine clean
 
@@ -15,7 +14,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 serve: $(STAMP)
-	$(BIN)/pdserve generate --chat --prompt "$(PROMPT)" --max-tokens 128
+	$(BIN)/pdserve up
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -m "not gpu" -q tests

@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
+    from cluster import cli_service
+
+    cli_service.add_commands(sub)
     return parser
 
 

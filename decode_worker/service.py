@@ -46,6 +46,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
     def __init__(self, engine: LLMEngine, config: WorkerConfig) -> None:
         self.engine, self.config = engine, config
         self.aengine = AsyncEngine(engine)
+        self.draining = False  # set by drain(): refuse new requests, finish open ones
         self.layout = KVLayout.of_cache(engine.runner.kv_cache)
         self.table = ReservationTable(self.layout, engine.runner.kv_cache)
         self.torch_transport = TorchTransport(
@@ -98,7 +99,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
                 num_total_blocks=self.engine.block_manager.num_blocks,
                 recent_step_ms=list(self.aengine.recent_step_ms),
                 num_preemptions=scheduler.num_preemptions, num_finished=self.aengine.num_finished,
-                num_failed_transfers=self.num_failed_legs,
+                num_failed_transfers=self.num_failed_legs, draining=self.draining,
             )
 
     async def Abort(self, request, context) -> pb.AbortReply:
@@ -114,6 +115,8 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context):
         request_id = request.request_id
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker is draining")
         try:
             ids, params, transport = self._validate(request)
         except ValueError as exc:

@@ -49,15 +49,23 @@ def run_worker(role: str, argv: list[str] | None, make_service: Callable) -> int
     return 0
 
 
-async def _serve(role: str, engine, config: WorkerConfig, make_service: Callable) -> None:
+async def start_service(engine, config: WorkerConfig, make_service: Callable):
+    """Build the service, serve it over gRPC; returns (service, server, "host:port")."""
     service = make_service(engine, config)
     server = grpc.aio.server(options=GRPC_CHANNEL_OPTIONS)
     service.add_to(server)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise ValueError(f"cannot listen on {config.host}:{config.port}")
     await server.start()
     await service.start()
     address = f"{config.host}:{port}"
     logger.info("serving address=%s worker_id=%s", address, config.worker_id)
+    return service, server, address
+
+
+async def _serve(role: str, engine, config: WorkerConfig, make_service: Callable) -> None:
+    service, server, address = await start_service(engine, config, make_service)
     print(f"READY {role} {address} {config.worker_id}", flush=True)
     if config.ready_file:
         tmp = config.ready_file + ".tmp"

@@ -47,6 +47,7 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
     def __init__(self, engine: LLMEngine, config: WorkerConfig) -> None:
         self.engine, self.config = engine, config
         self.aengine = AsyncEngine(engine)
+        self.draining = False  # set by drain(): refuse new requests, finish open ones
         self.layout = KVLayout.of_cache(engine.runner.kv_cache)
         self.torch_transport = TorchTransport(
             config.worker_id, self.layout, engine.runner.kv_cache.device,
@@ -89,6 +90,7 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
                 num_total_blocks=self.engine.block_manager.num_blocks,
                 recent_step_ms=list(self.aengine.recent_step_ms),
                 num_preemptions=scheduler.num_preemptions, num_finished=self.aengine.num_finished,
+                draining=self.draining,
             )
 
     async def Abort(self, request, context) -> pb.AbortReply:
@@ -99,6 +101,8 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
         return pb.AbortReply(found=True)
 
     async def Prefill(self, request_iterator, context):
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker is draining")
         first = await anext(aiter(request_iterator), None)
         if first is None or not first.HasField("start"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be `start`")

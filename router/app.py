@@ -204,26 +204,31 @@ async def _serve(request: Request, router: Router, body, ids: list[int], chat: b
     generation = Generation(router, rid, ids, params)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        stream = _sse(router, generation, body.model, chat, include_usage)
+        stream = _sse(router, generation, body.model, chat, include_usage, body.return_token_ids)
         return StreamingResponse(stream, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     _begin(router)
     try:
-        text = await _collect(request, generation)
+        text, token_ids = await _collect(request, generation)
     finally:
         _done(router, generation)
     build = protocol.chat_response if chat else protocol.completion_response
-    return JSONResponse(build(rid, body.model, text, generation.result.finish_reason, len(ids),
-                              generation.result.num_completion_tokens))
+    response = build(rid, body.model, text, generation.result.finish_reason, len(ids),
+                     generation.result.num_completion_tokens)
+    if body.return_token_ids:
+        response["choices"][0]["token_ids"] = token_ids
+    return JSONResponse(response)
 
 
-async def _collect(request: Request, generation: Generation) -> str:
+async def _collect(request: Request, generation: Generation) -> tuple[str, list[int]]:
     """Run a non-streaming request; a client that disconnects aborts it."""
     parts: list[str] = []
+    token_ids: list[int] = []
 
     async def run():
         async for delta in generation.deltas():
             parts.append(delta.text)
+            token_ids.extend(delta.token_ids)
 
     task = asyncio.ensure_future(run())
     try:
@@ -237,10 +242,11 @@ async def _collect(request: Request, generation: Generation) -> str:
     except asyncio.CancelledError:
         generation.result.finish_reason = "abort"
         raise
-    return "".join(parts)
+    return "".join(parts), token_ids
 
 
-async def _sse(router: Router, generation: Generation, model: str, chat: bool, include_usage: bool):
+async def _sse(router: Router, generation: Generation, model: str, chat: bool, include_usage: bool,
+               return_token_ids: bool):
     rid, created = generation.request_id, int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
 
@@ -255,9 +261,12 @@ async def _sse(router: Router, generation: Generation, model: str, chat: bool, i
             async for delta in generation.deltas():
                 if chat:
                     content = {"content": delta.text} if delta.text else {}
-                    yield event(protocol.chat_chunk(rid, model, created, content, delta.finish_reason))
+                    chunk = protocol.chat_chunk(rid, model, created, content, delta.finish_reason)
                 else:
-                    yield event(protocol.completion_chunk(rid, model, created, delta.text, delta.finish_reason))
+                    chunk = protocol.completion_chunk(rid, model, created, delta.text, delta.finish_reason)
+                if return_token_ids:
+                    chunk["choices"][0]["token_ids"] = delta.token_ids
+                yield event(chunk)
         except (GenerationError, APIError) as exc:
             status = getattr(exc, "status", 503)
             generation.result.finish_reason = "error"

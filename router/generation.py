@@ -37,7 +37,7 @@ class GenerationError(Exception):
 @dataclass
 class Delta:
     text: str
-    num_tokens: int
+    token_ids: list[int]
     finish_reason: str | None = None
 
 
@@ -101,10 +101,10 @@ class Generation:
                 if finish:
                     text += detok.flush()
                     self.result.finish_reason = finish
-                    yield Delta(text, len(chunk.token_ids), finish)
+                    yield Delta(text, list(chunk.token_ids), finish)
                     return
                 if text or chunk.token_ids:
-                    yield Delta(text, len(chunk.token_ids))
+                    yield Delta(text, list(chunk.token_ids))
             raise GenerationError("decode worker ended the stream without a finish reason", 502)
         except grpc.aio.AioRpcError as exc:
             code = exc.code()

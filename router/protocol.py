@@ -40,6 +40,7 @@ class _SamplingFields(BaseModel):
     frequency_penalty: StrictFloat = 0.0
     logprobs: StrictBool | StrictInt | None = None
     logit_bias: dict | None = None
+    return_token_ids: StrictBool = Field(False, description="pdserve extension: add the generated token ids")
 
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

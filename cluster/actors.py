@@ -1,0 +1,101 @@
+"""Ray actors hosting a worker's gRPC server, or the router's HTTP server, in-process.
+
+Both are async actors: their event loop runs the gRPC/uvicorn server; engine steps run on
+a thread of their own (engine.async_engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+
+def _node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+class WorkerActor:
+    """One prefill or decode worker."""
+
+    def __init__(self, role: str) -> None:
+        from engine.worker_server import setup_logging
+
+        setup_logging(role)
+        self.role = role
+        self.service = self.server = None
+        self.address = ""
+
+    async def start(self, engine_kwargs: dict, worker_kwargs: dict) -> dict:
+        from engine.config import EngineConfig
+        from engine.llm_engine import LLMEngine
+        from engine.worker_config import WorkerConfig
+        from engine.worker_server import start_service
+
+        config = WorkerConfig(**{"host": _node_ip(), **worker_kwargs})
+        engine = await asyncio.to_thread(LLMEngine, EngineConfig.from_kwargs(**engine_kwargs))
+        if self.role == "prefill":
+            from prefill_worker.service import PrefillService as make_service
+        else:
+            from decode_worker.service import DecodeService as make_service
+        self.service, self.server, self.address = await start_service(engine, config, make_service)
+        return {"address": self.address, "worker_id": config.worker_id, "pid": os.getpid()}
+
+    async def ping(self) -> bool:
+        return self.service is not None
+
+    async def drain(self) -> None:
+        self.service.draining = True
+
+    async def stats(self) -> dict:
+        from google.protobuf.json_format import MessageToDict
+
+        from protos import pdserve_pb2 as pb
+
+        stats = await self.service.Stats(pb.StatsRequest(), None)
+        return MessageToDict(stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop(grace=1)
+            await self.service.stop()
+
+
+class RouterActor:
+    """The router, reading pool membership from the controller."""
+
+    def __init__(self) -> None:
+        logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
+                            format="%(asctime)s %(levelname)s router %(name)s: %(message)s")
+        self.server = None
+        self.task = None
+
+    async def start(self, router_kwargs: dict, controller_name: str, namespace: str) -> str:
+        import ray
+
+        from router.app import RouterConfig
+        from router.server import make_server
+
+        controller = ray.get_actor(controller_name, namespace=namespace)
+
+        async def members() -> list[dict]:
+            return await controller.members.remote()
+
+        config = RouterConfig(**router_kwargs)
+        self.server = make_server(config, members, controller)
+        self.task = asyncio.get_running_loop().create_task(self.server.serve())
+        while not self.server.started:
+            if self.task.done():
+                self.task.result()  # raises why uvicorn could not start (port in use, ...)
+                raise RuntimeError("router exited during start-up")
+            await asyncio.sleep(0.05)
+        return f"http://{config.host}:{config.port}"
+
+    async def ping(self) -> bool:
+        return self.task is not None and not self.task.done()
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.should_exit = True
+            await asyncio.wait_for(asyncio.shield(self.task), timeout=10)

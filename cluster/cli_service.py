@@ -1,0 +1,197 @@
+"""`pdserve up | status | scale | down`: run and operate the service on Ray."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+import time
+
+
+def add_commands(sub) -> None:
+    up = sub.add_parser("up", help="start the router and the prefill and decode pools on Ray",
+                        description="Start pdserve: a Ray head here (unless --address), the cluster "
+                                    "controller, the pools and the router. Runs in the foreground "
+                                    "(Ctrl-C stops everything) unless --detach.")
+    up.add_argument("--config", default=None, help="deployment YAML (default: deploy/local.yaml)")
+    up.add_argument("--address", default=None, help="Ray cluster to join (default: local, started if needed)")
+    up.add_argument("--model", default=None, help="override `model`")
+    up.add_argument("--host", default=None, help="override `router.host`")
+    up.add_argument("--port", type=int, default=None, help="override `router.port`")
+    up.add_argument("--prefill", type=int, default=None, help="override `prefill.replicas`")
+    up.add_argument("--decode", type=int, default=None, help="override `decode.replicas`")
+    up.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                    help="override any config field, e.g. --set decode.engine.max_num_seqs=64")
+    up.add_argument("--detach", action="store_true", help="return once serving; `pdserve down` stops it")
+    up.set_defaults(func=_up)
+
+    status = sub.add_parser("status", help="pools, workers, load and KV usage")
+    status.add_argument("--address", default=None)
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.set_defaults(func=_status)
+
+    scale = sub.add_parser("scale", help="resize the prefill and/or decode pool")
+    scale.add_argument("--address", default=None)
+    scale.add_argument("--prefill", type=int, default=None)
+    scale.add_argument("--decode", type=int, default=None)
+    scale.add_argument("--no-wait", action="store_true", help="return before workers are ready/drained")
+    scale.set_defaults(func=_scale)
+
+    down = sub.add_parser("down", help="stop the service (and the local Ray that `up` started)")
+    down.add_argument("--address", default=None)
+    down.set_defaults(func=_down)
+
+
+def _overrides(args) -> dict:
+    out = {}
+    for key, value in (("model", args.model), ("router.host", args.host), ("router.port", args.port),
+                       ("prefill.replicas", args.prefill), ("decode.replicas", args.decode)):
+        if value is not None:
+            out[key] = value
+    for item in args.set:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
+def _up(args) -> int:
+    import ray
+
+    from cluster.config import load_config
+    from cluster.controller import controller_handle, create_controller
+    from cluster.ray_cluster import connect
+
+    config = load_config(args.config or _default_config(), _overrides(args))
+    needed = sum(config.pool(r).num_cpus * config.pool(r).replicas for r in ("prefill", "decode"))
+    import os
+
+    started_ray = connect(args.address, start_if_missing=True,
+                          num_cpus=max(os.cpu_count() or 1, int(needed * 2 + 0.999)))
+    try:
+        controller_handle()
+        raise ValueError("pdserve is already up on this Ray cluster; `pdserve status`, or `pdserve down` first")
+    except ValueError as exc:
+        if "already up" in str(exc):
+            raise
+    controller = create_controller(config)
+    print(f"starting {config.prefill.replicas} prefill + {config.decode.replicas} decode worker(s) "
+          f"of {config.model} ...", file=sys.stderr, flush=True)
+    started = time.monotonic()
+    try:
+        url = ray.get(controller.start.remote())
+    except Exception as exc:  # noqa: BLE001 - report, then clean up what started
+        print(f"pdserve: start-up failed: {_root_cause(exc)}", file=sys.stderr)
+        _teardown(controller, started_ray)
+        return 1
+    print(f"pdserve is serving {config.name} at {url}/v1 (ready in {time.monotonic() - started:.1f}s)", flush=True)
+    if args.detach:
+        return 0
+    print("Ctrl-C to stop", file=sys.stderr, flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(1.0):
+        pass
+    print("stopping ...", file=sys.stderr, flush=True)
+    _teardown(controller, started_ray)
+    return 0
+
+
+def _default_config():
+    from pathlib import Path
+
+    local = Path(__file__).resolve().parent.parent / "deploy" / "local.yaml"
+    return local if local.exists() else None
+
+
+def _teardown(controller, stop_ray: bool) -> None:
+    import ray
+
+    from cluster.ray_cluster import stop_local_ray_if_ours
+
+    try:
+        ray.get(controller.shutdown.remote(), timeout=60)
+    except Exception:  # noqa: BLE001 - best effort, the actor is killed next
+        pass
+    ray.kill(controller)
+    ray.shutdown()
+    if stop_ray:
+        stop_local_ray_if_ours()
+
+
+def _root_cause(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[-1] if text else type(exc).__name__
+
+
+def _controller(address):
+    from cluster.controller import controller_handle
+    from cluster.ray_cluster import connect
+
+    connect(address)
+    try:
+        return controller_handle()
+    except ValueError:
+        raise ValueError("pdserve is not running on this Ray cluster; start it with `pdserve up`") from None
+
+
+def _status(args) -> int:
+    import ray
+
+    status = ray.get(_controller(args.address).status.remote())
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return 0
+    print(f"router: {status['router']}   model: {status['model']}")
+    for role, pool in status["pools"].items():
+        print(f"{role} pool: target {pool['target']}, {len(pool['workers'])} worker(s)")
+        for w in pool["workers"]:
+            s = w.get("stats") or {}
+            total = s.get("num_total_blocks") or 0
+            kv = f"{100 * (1 - s.get('num_free_blocks', 0) / total):.1f}%" if total else "-"
+            print(f"  {w['worker_id'] or '(starting)':14} {w['address'] or '-':22} {w['state']:9} "
+                  f"running {s.get('num_running', '-')!s:>4}  waiting {s.get('num_waiting', '-')!s:>4}  "
+                  f"queued prefill tokens {s.get('queued_prefill_tokens', '-')!s:>6}  KV used {kv}")
+    print("recent events:")
+    for e in status["events"][-8:]:
+        print(f"  {time.strftime('%H:%M:%S', time.localtime(e['time']))} {e['role']:8} {e['event']:12} "
+              f"{e['worker_id']} {e['detail']}")
+    return 0
+
+
+def _scale(args) -> int:
+    import ray
+
+    if args.prefill is None and args.decode is None:
+        raise ValueError("give --prefill N and/or --decode M")
+    targets = ray.get(_controller(args.address).scale.remote(prefill=args.prefill, decode=args.decode,
+                                                             wait=not args.no_wait))
+    print(f"pools now: prefill {targets['prefill']}, decode {targets['decode']}")
+    return 0
+
+
+def _down(args) -> int:
+    import ray
+
+    from cluster.ray_cluster import stop_local_ray_if_ours
+
+    try:
+        controller = _controller(args.address)
+    except ValueError:
+        stopped = stop_local_ray_if_ours()
+        print("pdserve was not running" + ("; stopped the local Ray" if stopped else ""))
+        return 0
+    try:
+        ray.get(controller.shutdown.remote(), timeout=60)
+    finally:
+        ray.kill(controller)
+        ray.shutdown()
+    stopped = stop_local_ray_if_ours()
+    print("pdserve stopped" + ("; stopped the local Ray" if stopped else ""))
+    return 0

@@ -1,0 +1,104 @@
+"""The deployment config (YAML, validated with pydantic at this edge) and what each
+component's frozen config is built from. A bad field is reported by its dotted path."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from engine.config import DEFAULT_MODEL, EngineConfig
+
+
+class PoolSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    replicas: int = Field(1, ge=0, description="workers in this pool")
+    min_replicas: int = Field(0, ge=0, description="autoscaler lower bound")
+    max_replicas: int = Field(8, ge=1, description="autoscaler upper bound")
+    num_cpus: float = Field(1.0, gt=0, description="Ray CPUs per worker")
+    num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per worker")
+    resources: dict[str, float] = Field(default_factory=dict,
+                                        description="custom Ray resources, e.g. {prefill: 1} to pin to labelled nodes")
+    engine: dict = Field(default_factory=dict, description="engine options (block_size, max_num_batched_tokens, ...)")
+
+    @field_validator("engine")
+    @classmethod
+    def _engine_options(cls, value: dict) -> dict:
+        EngineConfig.from_kwargs(**{"model": DEFAULT_MODEL, **value})  # names a bad option
+        return value
+
+
+class RouterSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    routing: Literal["least-loaded", "round-robin"] = "least-loaded"
+    max_inflight_requests: int = Field(256, ge=1)
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    admin_token: str | None = Field(None, description="bearer token for /admin (or env PDSERVE_ADMIN_TOKEN)")
+    request_timeout_s: float = Field(600.0, gt=0)
+
+
+class ServeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(DEFAULT_MODEL, description="model name, checkpoint dir, .gguf, or cached hub id")
+    served_model_name: str | None = Field(None, description="name clients send (default: model)")
+    kv_transport: Literal["torch", "grpc"] = "torch"
+    kv_transfer_timeout_s: float = Field(60.0, gt=0)
+    worker_host: str | None = Field(None, description="address workers listen on (default: the node's IP)")
+    health_check_interval_s: float = Field(1.0, gt=0)
+    drain_timeout_s: float = Field(300.0, gt=0)
+    env: dict[str, str] = Field(default_factory=dict, description="environment of worker processes")
+    router: RouterSpec = Field(default_factory=RouterSpec)
+    prefill: PoolSpec = Field(default_factory=PoolSpec)
+    decode: PoolSpec = Field(default_factory=PoolSpec)
+
+    @field_validator("decode")
+    @classmethod
+    def _decode_nonempty(cls, value: PoolSpec) -> PoolSpec:
+        if value.replicas < 1:
+            raise ValueError("the decode pool needs at least 1 replica")
+        return value
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.model
+
+    def pool(self, role: str) -> PoolSpec:
+        return self.prefill if role == "prefill" else self.decode
+
+    def engine_kwargs(self, role: str) -> dict:
+        return {"model": self.model, **self.pool(role).engine}
+
+    def admin_token(self) -> str | None:
+        return self.router.admin_token or os.environ.get("PDSERVE_ADMIN_TOKEN")
+
+
+def load_config(path: str | Path | None = None, overrides: dict | None = None) -> ServeConfig:
+    """Read YAML (or defaults), apply dotted overrides ({"router.port": 8001}); ValueError
+    naming `file: field.path: problem` on any mistake."""
+    data: dict = {}
+    source = str(path) if path else "defaults"
+    if path:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError:
+            raise ValueError(f"config file {path} not found") from None
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{path}: not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: the top level must be a mapping")
+    for dotted, value in (overrides or {}).items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    try:
+        return ServeConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+        raise ValueError(f"{source}: {problems}") from None

@@ -1,0 +1,246 @@
+"""The cluster controller: a named, detached Ray actor that owns the router and the two
+worker pools.
+
+Each pool has a target size; the controller reconciles toward it. A worker's life:
+
+    starting ──start() returned its address──► ready ──scale down──► draining ──idle──► stopped
+        │                                        │
+        └──── failed to start ────► dead ◄── failed a health check (its actor died/hung)
+
+Dead workers leave the pool at once (the router stops routing to them at its next
+membership refresh) and are replaced to keep the pool at its target. Draining workers
+refuse new requests themselves (so nothing races the router's view), finish what they
+hold, and are stopped once their stats show nothing open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import ray
+
+from cluster.actors import RouterActor, WorkerActor
+from cluster.config import ServeConfig
+
+logger = logging.getLogger(__name__)
+NAMESPACE = "pdserve"
+CONTROLLER_NAME = "pdserve-controller"
+ROLES = ("prefill", "decode")
+_MAX_START_FAILURES = 3
+
+
+@dataclass
+class WorkerRecord:
+    role: str
+    handle: object
+    key: int
+    worker_id: str = ""
+    address: str = ""
+    state: str = "starting"
+    started_at: float = field(default_factory=time.time)
+
+    def member(self) -> dict:
+        return {"role": self.role, "worker_id": self.worker_id, "address": self.address, "state": self.state}
+
+
+class Controller:
+    def __init__(self, config: dict) -> None:
+        logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s controller %(name)s: %(message)s")
+        self.config = ServeConfig.model_validate(config)
+        self.targets = {role: self.config.pool(role).replicas for role in ROLES}
+        self.workers: dict[int, WorkerRecord] = {}
+        self.events: deque[dict] = deque(maxlen=200)
+        self.start_failures = {role: 0 for role in ROLES}
+        self.router = None
+        self.router_url = ""
+        self._keys = iter(range(1 << 62))
+        self._health_task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------ lifecycle
+    async def start(self) -> str:
+        """Start the pools and the router; returns the router's URL once workers are ready."""
+        self._reconcile()
+        await self._wait_ready()
+        cfg = self.config
+        router_kwargs = dict(model=cfg.model, served_model_name=cfg.name, host=cfg.router.host,
+                             port=cfg.router.port, routing=cfg.router.routing,
+                             max_inflight_requests=cfg.router.max_inflight_requests,
+                             max_body_bytes=cfg.router.max_body_bytes, admin_token=cfg.admin_token(),
+                             kv_transport=cfg.kv_transport, request_timeout_s=cfg.router.request_timeout_s)
+        self.router = ray.remote(RouterActor).options(
+            name="pdserve-router", namespace=NAMESPACE, num_cpus=0, lifetime="detached",
+            runtime_env={"env_vars": dict(cfg.env)}).remote()
+        self.router_url = await self.router.start.remote(router_kwargs, CONTROLLER_NAME, NAMESPACE)
+        self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
+        self._event("router", "ready", self.router_url)
+        return self.router_url
+
+    async def shutdown(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+        if self.router is not None:
+            try:
+                await asyncio.wait_for(self.router.stop.remote(), 10)
+            except Exception:  # noqa: BLE001 - it is going away regardless
+                pass
+            ray.kill(self.router)
+        await asyncio.gather(*(self._stop(w) for w in list(self.workers.values())), return_exceptions=True)
+        self.workers.clear()
+
+    # ------------------------------------------------------------ queries
+    async def members(self) -> list[dict]:
+        return [w.member() for w in self.workers.values() if w.state in ("ready", "draining")]
+
+    async def status(self) -> dict:
+        async def stats(w: WorkerRecord):
+            if w.state not in ("ready", "draining"):
+                return None
+            try:
+                return await asyncio.wait_for(w.handle.stats.remote(), 3)
+            except Exception:  # noqa: BLE001 - shown as unknown
+                return None
+
+        records = list(self.workers.values())
+        all_stats = await asyncio.gather(*(stats(w) for w in records))
+        pools = {role: {"target": self.targets[role], "workers": []} for role in ROLES}
+        for w, s in zip(records, all_stats, strict=True):
+            pools[w.role]["workers"].append({**w.member(), "stats": s})
+        return {"router": self.router_url, "model": self.config.name, "pools": pools, "events": list(self.events)}
+
+    # ------------------------------------------------------------ scaling
+    async def scale(self, prefill: int | None = None, decode: int | None = None, wait: bool = True) -> dict:
+        """Set pool sizes; with `wait`, return once new workers serve and drained ones stopped."""
+        for role, n in (("prefill", prefill), ("decode", decode)):
+            if n is None:
+                continue
+            if n < (1 if role == "decode" else 0):
+                raise ValueError(f"{role} pool size must be >= {1 if role == 'decode' else 0}, got {n}")
+            self.targets[role] = n
+            self.start_failures[role] = 0
+            self._event(role, "scale", f"target {n}")
+        self._reconcile()
+        if wait:
+            await self._wait_ready()
+            while any(w.state == "draining" for w in self.workers.values()):
+                await asyncio.sleep(0.1)
+        return {role: self.targets[role] for role in ROLES}
+
+    def _reconcile(self) -> None:
+        for role in ROLES:
+            live = [w for w in self.workers.values() if w.role == role and w.state in ("starting", "ready")]
+            missing = self.targets[role] - len(live)
+            if missing > 0 and self.start_failures[role] >= _MAX_START_FAILURES:
+                continue  # do not hot-loop on a config that cannot start; status shows the events
+            for _ in range(missing):
+                self._launch(role)
+            for w in sorted(live, key=lambda w: (w.state == "ready", w.started_at), reverse=True)[:max(0, -missing)]:
+                asyncio.get_running_loop().create_task(self._drain(w))
+
+    def _launch(self, role: str) -> None:
+        cfg, spec = self.config, self.config.pool(role)
+        handle = ray.remote(WorkerActor).options(
+            num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, resources=dict(spec.resources),
+            runtime_env={"env_vars": dict(cfg.env)}, max_restarts=0,
+        ).remote(role)
+        record = WorkerRecord(role, handle, next(self._keys))
+        self.workers[record.key] = record
+        worker_kwargs = {"kv_transfer_timeout_s": cfg.kv_transfer_timeout_s}
+        if cfg.worker_host:
+            worker_kwargs["host"] = cfg.worker_host
+        asyncio.get_running_loop().create_task(self._start(record, cfg.engine_kwargs(role), worker_kwargs))
+
+    async def _start(self, w: WorkerRecord, engine_kwargs: dict, worker_kwargs: dict) -> None:
+        try:
+            info = await w.handle.start.remote(engine_kwargs, worker_kwargs)
+        except Exception as exc:  # noqa: BLE001 - reported and retried by reconcile
+            self.start_failures[w.role] += 1
+            self._event(w.role, "start_failed", str(exc).splitlines()[-1][:300], w)
+            await self._forget(w, "dead")
+            self._reconcile()
+            return
+        if w.state != "starting":  # drained or stopped while starting
+            return
+        w.worker_id, w.address, w.state = info["worker_id"], info["address"], "ready"
+        self.start_failures[w.role] = 0
+        self._event(w.role, "ready", w.address, w)
+
+    async def _drain(self, w: WorkerRecord) -> None:
+        was_starting = w.state == "starting"
+        w.state = "draining"
+        self._event(w.role, "draining", w.address, w)
+        if not was_starting:
+            try:
+                await w.handle.drain.remote()
+                deadline = time.monotonic() + self.config.drain_timeout_s
+                while time.monotonic() < deadline:
+                    s = await asyncio.wait_for(w.handle.stats.remote(), 5)
+                    if not (s["num_running"] or s["num_waiting"] or s["num_waiting_for_kv"]):
+                        break
+                    await asyncio.sleep(0.1)
+            except Exception as exc:  # noqa: BLE001 - a dying worker is drained anyway
+                self._event(w.role, "drain_error", str(exc)[:200], w)
+        self._event(w.role, "drained", w.address, w)
+        await self._stop(w)
+
+    async def _stop(self, w: WorkerRecord) -> None:
+        try:
+            await asyncio.wait_for(w.handle.stop.remote(), 5)
+        except Exception:  # noqa: BLE001 - killed below regardless
+            pass
+        await self._forget(w, "stopped")
+
+    async def _forget(self, w: WorkerRecord, state: str) -> None:
+        w.state = state
+        self.workers.pop(w.key, None)
+        ray.kill(w.handle, no_restart=True)
+
+    # ------------------------------------------------------------ health
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_check_interval_s)
+            ready = [w for w in self.workers.values() if w.state in ("ready", "draining")]
+            results = await asyncio.gather(*(self._ping(w) for w in ready))
+            dead = [w for w, ok in zip(ready, results, strict=True) if not ok]
+            for w in dead:
+                self._event(w.role, "died", w.address, w)
+                await self._forget(w, "dead")
+            if dead:
+                self._reconcile()
+
+    @staticmethod
+    async def _ping(w: WorkerRecord) -> bool:
+        try:
+            return bool(await asyncio.wait_for(w.handle.ping.remote(), 5))
+        except Exception:  # noqa: BLE001 - dead or hung
+            return False
+
+    async def _wait_ready(self, timeout_s: float = 600) -> None:
+        deadline = time.monotonic() + timeout_s
+        while any(w.state == "starting" for w in self.workers.values()):
+            if time.monotonic() > deadline:
+                raise TimeoutError("workers did not start in time")
+            await asyncio.sleep(0.1)
+        for role in ROLES:
+            if self.start_failures[role] >= _MAX_START_FAILURES:
+                failures = [e["detail"] for e in self.events if e["event"] == "start_failed" and e["role"] == role]
+                raise RuntimeError(f"{role} workers fail to start: {failures[-1] if failures else 'unknown'}")
+
+    def _event(self, role: str, event: str, detail: str = "", w: WorkerRecord | None = None) -> None:
+        entry = {"time": time.time(), "role": role, "event": event, "detail": detail,
+                 "worker_id": w.worker_id if w else ""}
+        self.events.append(entry)
+        logger.info("event role=%s event=%s worker_id=%s %s", role, event, entry["worker_id"], detail)
+
+
+def controller_handle():
+    return ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+
+
+def create_controller(config: ServeConfig):
+    return ray.remote(Controller).options(
+        name=CONTROLLER_NAME, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_concurrency=1000,
+    ).remote(config.model_dump())

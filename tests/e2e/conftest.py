@@ -1,0 +1,76 @@
+"""A real Ray cluster (started in this test process), the cluster controller, real worker
+actors and the router, reached over HTTP."""
+
+import os
+import socket
+import time
+import urllib.request
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except Exception:  # noqa: BLE001 - not up yet
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} not ready")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+
+    ray.init(num_cpus=16, namespace="pdserve", include_dashboard=False, object_store_memory=300_000_000,
+             logging_level="WARNING", log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def start_service(model_dir, **overrides):
+    """Create the controller with a test config; returns (controller handle, base URL)."""
+    import ray
+
+    from cluster.config import load_config
+    from cluster.controller import create_controller
+
+    settings = {
+        "model": str(model_dir), "served_model_name": "tiny", "worker_host": "127.0.0.1",
+        "env": {"GLOO_SOCKET_IFNAME": "lo"}, "health_check_interval_s": 0.5, "kv_transfer_timeout_s": 10,
+        "router.port": free_port(), "prefill.num_cpus": 0.5, "decode.num_cpus": 0.5,
+        "router.admin_token": "secret-token", "drain_timeout_s": 60,
+    }
+    settings.update(overrides)
+    config = load_config(None, settings)
+    controller = create_controller(config)
+    url = ray.get(controller.start.remote())
+    wait_http(url + "/health")
+    return controller, url
+
+
+def stop_service(controller) -> None:
+    import ray
+
+    ray.get(controller.shutdown.remote(), timeout=60)
+    ray.kill(controller)
+
+
+@pytest.fixture(scope="module")
+def service(ray_cluster, tiny_llama_dir):
+    controller, url = start_service(tiny_llama_dir)
+    yield {"controller": controller, "url": url, "model": str(tiny_llama_dir)}
+    stop_service(controller)

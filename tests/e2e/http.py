@@ -1,0 +1,49 @@
+"""Small HTTP helpers for the end-to-end tests (stdlib for plain calls, aiohttp for load)."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+
+def post(url: str, body, headers: dict | None = None, timeout: float = 120) -> tuple[int, dict, dict]:
+    """POST JSON (or raw bytes/str); returns (status, parsed body, headers)."""
+    data = body if isinstance(body, bytes) else (body.encode() if isinstance(body, str) else json.dumps(body).encode())
+    request = urllib.request.Request(url, data=data, headers={"content-type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read()), dict(response.headers)
+    except urllib.error.HTTPError as exc:
+        raw = exc.read()
+        try:
+            parsed = json.loads(raw)
+        except json.JSONDecodeError:
+            parsed = {"raw": raw.decode(errors="replace")}
+        return exc.code, parsed, dict(exc.headers)
+
+
+def get(url: str, headers: dict | None = None) -> tuple[int, str]:
+    request = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+async def stream(session, url: str, body: dict) -> tuple[list[dict], bool]:
+    """POST a streaming request; returns (parsed events, saw [DONE])."""
+    events, done = [], False
+    async with session.post(url, json=body) as response:
+        assert response.status == 200, await response.text()
+        async for raw in response.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            payload = line[len("data: "):]
+            if payload == "[DONE]":
+                done = True
+                break
+            events.append(json.loads(payload))
+    return events, done
