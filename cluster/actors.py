@@ -49,12 +49,11 @@ class WorkerActor:
         self.service.draining = True
 
     async def stats(self) -> dict:
-        from google.protobuf.json_format import MessageToDict
-
         from protos import pdserve_pb2 as pb
 
         stats = await self.service.Stats(pb.StatsRequest(), None)
-        return MessageToDict(stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+        return {f.name: (v if isinstance(v, int | float | str | bool) else list(v))
+                for f in stats.DESCRIPTOR.fields for v in [getattr(stats, f.name)]}
 
     async def stop(self) -> None:
         if self.server is not None:

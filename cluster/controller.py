@@ -111,6 +111,13 @@ class Controller:
             pools[w.role]["workers"].append({**w.member(), "stats": s})
         return {"router": self.router_url, "model": self.config.name, "pools": pools, "events": list(self.events)}
 
+    async def handle_of(self, worker_id: str):
+        """The actor handle of a worker (operators and tests: e.g. to kill one)."""
+        for w in self.workers.values():
+            if w.worker_id == worker_id:
+                return w.handle
+        raise ValueError(f"no worker {worker_id!r}")
+
     # ------------------------------------------------------------ scaling
     async def scale(self, prefill: int | None = None, decode: int | None = None, wait: bool = True) -> dict:
         """Set pool sizes; with `wait`, return once new workers serve and drained ones stopped."""
