@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 class DecodeService(pb_grpc.DecodeWorkerServicer):
     def __init__(self, engine: LLMEngine, config: WorkerConfig) -> None:
         self.engine, self.config = engine, config
-        self.aengine = AsyncEngine(engine)
+        self.aengine = AsyncEngine(engine, stats_fn=self._stats)
         self.draining = False  # set by drain(): refuse new requests, finish open ones
         self.layout = KVLayout.of_cache(engine.runner.kv_cache)
         self.table = ReservationTable(self.layout, engine.runner.kv_cache)
@@ -85,22 +85,24 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         return info
 
     async def Stats(self, request, context) -> pb.WorkerStats:
-        async with self.aengine.lock:
-            scheduler = self.engine.scheduler
-            queued = sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting)
-            queued += sum(len(r.prompt_token_ids) for r in scheduler.running
-                          if r.num_computed_tokens < r.num_prompt_tokens)
-            return pb.WorkerStats(
-                worker_id=self.config.worker_id, role="decode",
-                num_waiting=len(scheduler.waiting) + len(self._block_waiters),
-                num_running=len(scheduler.running), num_waiting_for_kv=len(self.table),
-                queued_prefill_tokens=queued,
-                num_free_blocks=self.engine.block_manager.num_free_blocks,
-                num_total_blocks=self.engine.block_manager.num_blocks,
-                recent_step_ms=list(self.aengine.recent_step_ms),
-                num_preemptions=scheduler.num_preemptions, num_finished=self.aengine.num_finished,
-                num_failed_transfers=self.num_failed_legs, draining=self.draining,
-            )
+        return self.aengine.stats()
+
+    def _stats(self) -> pb.WorkerStats:
+        scheduler = self.engine.scheduler
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting)
+        queued += sum(r.num_prompt_tokens - r.num_computed_tokens for r in scheduler.running
+                      if r.num_computed_tokens < r.num_prompt_tokens)
+        return pb.WorkerStats(
+            worker_id=self.config.worker_id, role="decode",
+            num_waiting=len(scheduler.waiting) + len(self._block_waiters),
+            num_running=len(scheduler.running), num_waiting_for_kv=len(self.table),
+            queued_prefill_tokens=queued,
+            num_free_blocks=self.engine.block_manager.num_free_blocks,
+            num_total_blocks=self.engine.block_manager.num_blocks,
+            recent_step_ms=list(self.aengine.recent_step_ms),
+            num_preemptions=scheduler.num_preemptions, num_finished=self.aengine.num_finished,
+            num_failed_transfers=self.num_failed_legs, draining=self.draining,
+        )
 
     async def Abort(self, request, context) -> pb.AbortReply:
         admission = self._admissions.get(request.request_id)

@@ -23,18 +23,22 @@ Listener = Callable[[RequestOutput], None]
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, stats_fn: Callable | None = None) -> None:
         self.engine = engine
+        self.stats_fn = stats_fn  # computes a load report from engine state (see `stats`)
         self.lock = asyncio.Lock()
         self.listeners: dict[str, Listener] = {}
         self.after_step: list[Callable[[], None]] = []
         self.recent_step_ms: deque[float] = deque(maxlen=64)
         self.num_finished = 0
+        self._snapshot = None
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
+        if self.stats_fn is not None:
+            self._snapshot = self.stats_fn()
         self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
 
     def wake(self) -> None:
@@ -62,6 +66,8 @@ class AsyncEngine:
                     logger.exception("engine step failed; aborting its requests")
                     outputs = self._abort_all()
                 self.recent_step_ms.append(1000 * (time.perf_counter() - start))
+                if self.stats_fn is not None:
+                    self._snapshot = self.stats_fn()
             for output in outputs:
                 self.num_finished += output.finished
                 listener = self.listeners.get(output.request_id)
@@ -69,6 +75,15 @@ class AsyncEngine:
                     listener(output)
             for callback in self.after_step:
                 callback()
+
+    def stats(self):
+        """`stats_fn()` without waiting for a running step: fresh when no step runs (nothing
+        else touches the engine then: this is the loop thread), otherwise as of the end of
+        the last step. Load reports must not stall behind a multi-second prefill step, or
+        routers would take a busy worker for a dead one."""
+        if not self.lock.locked():
+            self._snapshot = self.stats_fn()
+        return self._snapshot
 
     def _abort_all(self) -> list[RequestOutput]:
         ids = list(self.engine.scheduler.requests)

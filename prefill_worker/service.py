@@ -46,7 +46,7 @@ class _Shipment:
 class PrefillService(pb_grpc.PrefillWorkerServicer):
     def __init__(self, engine: LLMEngine, config: WorkerConfig) -> None:
         self.engine, self.config = engine, config
-        self.aengine = AsyncEngine(engine)
+        self.aengine = AsyncEngine(engine, stats_fn=self._stats)
         self.draining = False  # set by drain(): refuse new requests, finish open ones
         self.layout = KVLayout.of_cache(engine.runner.kv_cache)
         self.torch_transport = TorchTransport(
@@ -79,19 +79,21 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
         return info
 
     async def Stats(self, request, context) -> pb.WorkerStats:
-        async with self.aengine.lock:
-            scheduler = self.engine.scheduler
-            queued = sum(r.num_tokens - r.num_computed_tokens for r in scheduler.requests.values())
-            return pb.WorkerStats(
-                worker_id=self.config.worker_id, role="prefill",
-                num_waiting=len(scheduler.waiting), num_running=len(self._streams),
-                queued_prefill_tokens=queued,
-                num_free_blocks=self.engine.block_manager.num_free_blocks,
-                num_total_blocks=self.engine.block_manager.num_blocks,
-                recent_step_ms=list(self.aengine.recent_step_ms),
-                num_preemptions=scheduler.num_preemptions, num_finished=self.aengine.num_finished,
-                draining=self.draining,
-            )
+        return self.aengine.stats()
+
+    def _stats(self) -> pb.WorkerStats:
+        scheduler = self.engine.scheduler
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in scheduler.requests.values())
+        return pb.WorkerStats(
+            worker_id=self.config.worker_id, role="prefill",
+            num_waiting=len(scheduler.waiting), num_running=len(self._streams),
+            queued_prefill_tokens=queued,
+            num_free_blocks=self.engine.block_manager.num_free_blocks,
+            num_total_blocks=self.engine.block_manager.num_blocks,
+            recent_step_ms=list(self.aengine.recent_step_ms),
+            num_preemptions=scheduler.num_preemptions, num_finished=self.aengine.num_finished,
+            draining=self.draining,
+        )
 
     async def Abort(self, request, context) -> pb.AbortReply:
         task = self._streams.get(request.request_id)

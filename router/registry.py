@@ -111,8 +111,9 @@ class WorkerRegistry:
         async def one(view: WorkerView) -> None:
             try:
                 view.stats = await view.stub.Stats(pb.StatsRequest(), timeout=2)
-            except grpc.aio.AioRpcError:
-                self.mark_unhealthy(view)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:  # unreachable, not merely slow
+                    self.mark_unhealthy(view)
 
         await asyncio.gather(*(one(v) for v in list(self._views.values())))
 
