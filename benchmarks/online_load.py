@@ -116,8 +116,10 @@ async def router_overhead(url: str, model: str, decode_address: str, prefill_add
                 via_router.append(router_s)
                 direct.append(direct_s)
     router_p50, direct_p50 = statistics.median(via_router), statistics.median(direct)
+    paired = statistics.median(r - d for r, d in zip(via_router, direct, strict=True))
     return {"router_p50_ms": 1000 * router_p50, "direct_grpc_p50_ms": 1000 * direct_p50,
-            "added_p50_ms": 1000 * (router_p50 - direct_p50), "repeats": repeats}
+            "added_p50_ms": 1000 * (router_p50 - direct_p50), "added_paired_median_ms": 1000 * paired,
+            "repeats": repeats}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -149,12 +151,40 @@ def start_service(model: str, port: int):
     from cluster.ray_cluster import ray_env
 
     ray_env()
-    ray.init(num_cpus=4, namespace="pdserve", include_dashboard=False, object_store_memory=300_000_000,
-             logging_level="WARNING", log_to_driver=False)
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, namespace="pdserve", include_dashboard=False, object_store_memory=300_000_000,
+                 logging_level="WARNING", log_to_driver=False)
     config = load_config(ROOT / "deploy" / "local.yaml", {"model": model, "router.port": port})
     controller = create_controller(config)
     url = ray.get(controller.start.remote())
     return controller, url
+
+
+def stop_service(controller) -> None:
+    import ray
+
+    ray.get(controller.shutdown.remote())
+    ray.kill(controller)
+
+
+def measure_overhead(port: int, repeats: int) -> dict:
+    """Router overhead on a tiny random model, so model time does not drown it."""
+    import tempfile
+
+    import ray
+
+    from engine.model_source import resolve_model
+    from tests.models import build_tiny_model
+
+    tiny = build_tiny_model(Path(tempfile.mkdtemp()), "llama", resolve_model("SmolLM2-135M-Instruct"))
+    controller, url = start_service(str(tiny), port)
+    try:
+        status = ray.get(controller.status.remote())
+        decode = status["pools"]["decode"]["workers"][0]["address"]
+        prefill = [w["address"] for w in status["pools"]["prefill"]["workers"]]
+        return asyncio.run(router_overhead(url, str(tiny), decode, prefill, repeats)) | {"model": "tiny random"}
+    finally:
+        stop_service(controller)
 
 
 def main() -> None:
@@ -167,7 +197,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8017)
     parser.add_argument("--ttft-slo", type=float, default=2.0)
     parser.add_argument("--tpot-slo", type=float, default=0.15)
-    parser.add_argument("--overhead-repeats", type=int, default=50)
+    parser.add_argument("--overhead-repeats", type=int, default=200, help="0 skips the router-overhead part")
     parser.add_argument("--out", type=Path, default=RESULTS / "online_load.json")
     args = parser.parse_args()
 
@@ -184,20 +214,14 @@ def main() -> None:
         results, wall = asyncio.run(replay(url, model, requests))
         result = {"trace": str(args.trace), "rate_scale": args.rate_scale,
                   "summary": summarize(results, wall, args.ttft_slo, args.tpot_slo), "per_request": results}
-        if controller is not None:
-            import ray
-
-            status = ray.get(controller.status.remote())
-            decode = status["pools"]["decode"]["workers"][0]["address"]
-            prefill = [w["address"] for w in status["pools"]["prefill"]["workers"]]
-            result["router_overhead"] = asyncio.run(router_overhead(url, model, decode, prefill,
-                                                                    args.overhead_repeats))
     finally:
         if controller is not None:
-            import ray
+            stop_service(controller)
+    if args.url is None and args.overhead_repeats:
+        result["router_overhead"] = measure_overhead(args.port, args.overhead_repeats)
+    import ray
 
-            ray.get(controller.shutdown.remote())
-            ray.shutdown()
+    ray.shutdown()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     plot(result, args.out.with_suffix(".png"))
