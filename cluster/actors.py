@@ -94,6 +94,9 @@ class RouterActor:
     async def ping(self) -> bool:
         return self.task is not None and not self.task.done()
 
+    async def observations(self, window_s: float, percentile: float = 90.0) -> dict:
+        return self.server.config.app.state.router.observations(window_s, percentile)
+
     async def stop(self) -> None:
         if self.server is not None:
             self.server.should_exit = True

@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     from cluster import cli_service
 
     cli_service.add_commands(sub)
+    from cluster import cli_planner
+
+    cli_planner.add_commands(sub)
     return parser
 
 

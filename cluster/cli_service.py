@@ -23,6 +23,7 @@ def add_commands(sub) -> None:
     up.add_argument("--decode", type=int, default=None, help="override `decode.replicas`")
     up.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                     help="override any config field, e.g. --set decode.engine.max_num_seqs=64")
+    up.add_argument("--plan", default=None, help="start pools of the sizes in a `pdserve plan` file")
     up.add_argument("--detach", action="store_true", help="return once serving; `pdserve down` stops it")
     up.set_defaults(func=_up)
 
@@ -35,6 +36,8 @@ def add_commands(sub) -> None:
     scale.add_argument("--address", default=None)
     scale.add_argument("--prefill", type=int, default=None)
     scale.add_argument("--decode", type=int, default=None)
+    scale.add_argument("--plan", default=None, help="apply the pool sizes of a `pdserve plan` file")
+    scale.add_argument("--auto", action="store_true", help="hand both pools back to the autoscaler")
     scale.add_argument("--no-wait", action="store_true", help="return before workers are ready/drained")
     scale.set_defaults(func=_scale)
 
@@ -45,6 +48,10 @@ def add_commands(sub) -> None:
 
 def _overrides(args) -> dict:
     out = {}
+    if getattr(args, "plan", None):
+        from cluster.cli_planner import replicas_from_plan
+
+        out.update(replicas_from_plan(args.plan))
     for key, value in (("model", args.model), ("router.host", args.host), ("router.port", args.port),
                        ("prefill.replicas", args.prefill), ("decode.replicas", args.decode)):
         if value is not None:
@@ -168,10 +175,20 @@ def _status(args) -> int:
 def _scale(args) -> int:
     import ray
 
+    if args.plan:
+        from cluster.cli_planner import replicas_from_plan
+
+        sizes = replicas_from_plan(args.plan)
+        args.prefill, args.decode = sizes["prefill.replicas"], sizes["decode.replicas"]
+    controller = _controller(args.address)
+    if args.auto:
+        ray.get(controller.clear_override.remote())
+        print("both pools are back under the autoscaler")
+        if args.prefill is None and args.decode is None:
+            return 0
     if args.prefill is None and args.decode is None:
-        raise ValueError("give --prefill N and/or --decode M")
-    targets = ray.get(_controller(args.address).scale.remote(prefill=args.prefill, decode=args.decode,
-                                                             wait=not args.no_wait))
+        raise ValueError("give --prefill N and/or --decode M, --plan FILE, or --auto")
+    targets = ray.get(controller.scale.remote(prefill=args.prefill, decode=args.decode, wait=not args.no_wait))
     print(f"pools now: prefill {targets['prefill']}, decode {targets['decode']}")
     return 0
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from engine.config import DEFAULT_MODEL, EngineConfig
 
@@ -42,6 +42,19 @@ class RouterSpec(BaseModel):
     request_timeout_s: float = Field(600.0, gt=0)
 
 
+class AutoscalerSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = False
+    profile: str | None = Field(None, description="JSON from `pdserve profile` (required when enabled)")
+    ttft_slo_s: float = Field(2.0, gt=0)
+    tpot_slo_s: float = Field(0.15, gt=0)
+    percentile: float = Field(90.0, gt=0, lt=100)
+    interval_s: float = Field(10.0, gt=0, description="seconds between decisions")
+    window_s: float = Field(30.0, gt=0, description="observations older than this are ignored")
+    cooldown_s: float = Field(30.0, ge=0, description="least time between changes of one pool")
+    min_samples: int = Field(5, ge=1)
+
+
 class ServeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str = Field(DEFAULT_MODEL, description="model name, checkpoint dir, .gguf, or cached hub id")
@@ -55,6 +68,7 @@ class ServeConfig(BaseModel):
     router: RouterSpec = Field(default_factory=RouterSpec)
     prefill: PoolSpec = Field(default_factory=PoolSpec)
     decode: PoolSpec = Field(default_factory=PoolSpec)
+    autoscaler: AutoscalerSpec = Field(default_factory=AutoscalerSpec)
 
     @field_validator("decode")
     @classmethod
@@ -62,6 +76,12 @@ class ServeConfig(BaseModel):
         if value.replicas < 1:
             raise ValueError("the decode pool needs at least 1 replica")
         return value
+
+    @model_validator(mode="after")
+    def _autoscaler_needs_profile(self):
+        if self.autoscaler.enabled and not self.autoscaler.profile:
+            raise ValueError("autoscaler.profile is required when autoscaler.enabled (run `pdserve profile`)")
+        return self
 
     @property
     def name(self) -> str:

@@ -59,6 +59,10 @@ class Controller:
         self.router_url = ""
         self._keys = iter(range(1 << 62))
         self._health_task: asyncio.Task | None = None
+        self.manual: set[str] = set()  # pools an operator sized by hand: the autoscaler leaves them alone
+        self.decisions: deque[dict] = deque(maxlen=50)
+        self.autoscaler = self._make_autoscaler()
+        self._autoscale_task: asyncio.Task | None = None
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> str:
@@ -75,13 +79,17 @@ class Controller:
             name="pdserve-router", namespace=NAMESPACE, num_cpus=0, lifetime="detached",
             runtime_env={"env_vars": dict(cfg.env)}).remote()
         self.router_url = await self.router.start.remote(router_kwargs, CONTROLLER_NAME, NAMESPACE)
-        self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
+        loop = asyncio.get_running_loop()
+        self._health_task = loop.create_task(self._health_loop())
+        if self.autoscaler is not None:
+            self._autoscale_task = loop.create_task(self._autoscale_loop())
         self._event("router", "ready", self.router_url)
         return self.router_url
 
     async def shutdown(self) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
+        for task in (self._health_task, self._autoscale_task):
+            if task is not None:
+                task.cancel()
         if self.router is not None:
             try:
                 await asyncio.wait_for(self.router.stop.remote(), 10)
@@ -109,7 +117,10 @@ class Controller:
         pools = {role: {"target": self.targets[role], "workers": []} for role in ROLES}
         for w, s in zip(records, all_stats, strict=True):
             pools[w.role]["workers"].append({**w.member(), "stats": s})
-        return {"router": self.router_url, "model": self.config.name, "pools": pools, "events": list(self.events)}
+        autoscaler = {"enabled": self.autoscaler is not None, "overridden": sorted(self.manual),
+                      "decisions": list(self.decisions)[-5:]}
+        return {"router": self.router_url, "model": self.config.name, "pools": pools, "events": list(self.events),
+                "autoscaler": autoscaler}
 
     async def handle_of(self, worker_id: str):
         """The actor handle of a worker (operators and tests: e.g. to kill one)."""
@@ -119,8 +130,10 @@ class Controller:
         raise ValueError(f"no worker {worker_id!r}")
 
     # ------------------------------------------------------------ scaling
-    async def scale(self, prefill: int | None = None, decode: int | None = None, wait: bool = True) -> dict:
-        """Set pool sizes; with `wait`, return once new workers serve and drained ones stopped."""
+    async def scale(self, prefill: int | None = None, decode: int | None = None, wait: bool = True,
+                    manual: bool = True) -> dict:
+        """Set pool sizes; with `wait`, return once new workers serve and drained ones stopped.
+        A manual scale (operators) pins the pool against the autoscaler until `clear_override`."""
         for role, n in (("prefill", prefill), ("decode", decode)):
             if n is None:
                 continue
@@ -128,13 +141,54 @@ class Controller:
                 raise ValueError(f"{role} pool size must be >= {1 if role == 'decode' else 0}, got {n}")
             self.targets[role] = n
             self.start_failures[role] = 0
-            self._event(role, "scale", f"target {n}")
+            if manual:
+                self.manual.add(role)
+            self._event(role, "scale" if manual else "autoscale", f"target {n}")
         self._reconcile()
         if wait:
             await self._wait_ready()
             while any(w.state == "draining" for w in self.workers.values()):
                 await asyncio.sleep(0.1)
         return {role: self.targets[role] for role in ROLES}
+
+    async def clear_override(self) -> None:
+        """Hand every pool back to the autoscaler."""
+        self.manual.clear()
+        self._event("cluster", "override_cleared")
+
+    # ------------------------------------------------------------ autoscaling
+    def _make_autoscaler(self):
+        spec = self.config.autoscaler
+        if not spec.enabled:
+            return None
+        from cluster.autoscaler import Autoscaler
+        from cluster.planner.profile import Profile
+        from cluster.planner.search import SLO
+
+        bounds = {role: (max(self.config.pool(role).min_replicas, 1 if role == "decode" else 0),
+                         self.config.pool(role).max_replicas) for role in ROLES}
+        return Autoscaler(Profile.load(spec.profile), SLO(spec.ttft_slo_s, spec.tpot_slo_s, spec.percentile),
+                          bounds, spec.cooldown_s, spec.min_samples)
+
+    async def _autoscale_loop(self) -> None:
+        spec = self.config.autoscaler
+        while True:
+            await asyncio.sleep(spec.interval_s)
+            try:
+                observed = await self.router.observations.remote(spec.window_s, spec.percentile)
+                current = dict(self.targets)
+                decision = await asyncio.to_thread(self.autoscaler.decide, observed, current, set(self.manual))
+            except Exception as exc:  # noqa: BLE001 - keep deciding next interval
+                self._event("cluster", "autoscale_error", str(exc)[:200])
+                continue
+            entry = decision.as_dict()
+            entry["observed"] = {k: v for k, v in observed.items() if k != "lengths"}
+            entry["current"] = current
+            self.decisions.append(entry)
+            logger.info("autoscale decision current=%s desired=%s action=%s correction=%s observed=%s",
+                        current, decision.desired, decision.action, decision.correction, entry["observed"])
+            if decision.action:
+                await self.scale(**decision.action, wait=False, manual=False)
 
     def _reconcile(self) -> None:
         for role in ROLES:

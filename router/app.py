@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import deque
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -55,6 +56,20 @@ class Router:
         self.metrics = RouterMetrics(registry)
         self.tokenizer = None
         self.inflight = 0
+        self.finished: deque = deque(maxlen=20000)  # (end, prompt, completion tokens, ttft, tpot)
+
+    def observations(self, window_s: float, percentile: float = 90.0) -> dict:
+        """What the autoscaler needs from the last `window_s` seconds of finished requests."""
+        now = time.monotonic()
+        recent = [r for r in self.finished if now - r[0] <= window_s]
+        ttft = sorted(r[3] for r in recent if r[3] is not None)
+        tpot = sorted(r[4] for r in recent if r[4] is not None)
+
+        def pct(values):
+            return values[min(len(values) - 1, round(percentile / 100 * (len(values) - 1)))] if values else None
+
+        return {"count": len(recent), "rate": len(recent) / window_s, "ttft_p": pct(ttft), "tpot_p": pct(tpot),
+                "lengths": [(r[1], max(1, r[2])) for r in recent][-500:], "inflight": self.inflight}
 
     async def start(self) -> None:
         from engine.model_source import resolve_model
@@ -292,3 +307,10 @@ def _done(router: Router, generation: Generation) -> None:
     router.inflight -= 1
     router.metrics.inflight.dec()
     router.metrics.observe(generation)
+    result = generation.result
+    if result.finish_reason in ("stop", "length") and result.first_token_at is not None:
+        n = result.num_completion_tokens
+        end = time.perf_counter()
+        tpot = (end - result.first_token_at) / (n - 1) if n > 1 else None
+        router.finished.append((time.monotonic(), len(generation.prompt_ids), n,
+                                result.first_token_at - generation.started, tpot))

@@ -25,25 +25,35 @@ def decode_kernel():
     """Return the compiled extension module, or None when it cannot be built here."""
     if os.environ.get("PDSERVE_DISABLE_CPU_KERNEL") == "1":
         return None
-    from engine.model_source import cache_dir
+    from engine.model_source import cache_dir, file_lock
 
     source = _SOURCE.read_bytes()
     tag = hashlib.sha1(source + torch.__version__.encode()).hexdigest()[:10]
     build_dir = cache_dir() / "torch_extensions" / f"paged_attention-{tag}"
     build_dir.mkdir(parents=True, exist_ok=True)
+    # Compile a copy inside the content-addressed build dir: every checkout then names the
+    # same source path, so torch does not rebuild for each one.
+    local_source = build_dir / _SOURCE.name
+    if not local_source.exists() or local_source.read_bytes() != source:
+        local_source.write_bytes(source)
     try:
         from torch.utils.cpp_extension import load
 
-        if not (build_dir / "pdserve_paged_attention.so").exists():
-            logger.warning("compiling the CPU paged-attention kernel (once, ~30 s)")
-        return load(
-            name="pdserve_paged_attention",
-            sources=[str(_SOURCE)],
-            build_directory=str(build_dir),
-            extra_cflags=["-O3", "-ffast-math", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp", "-lmvec"],
-            verbose=False,
-        )
+        # torch's own lock file survives a process killed mid-build and then blocks every
+        # later load forever; an fcntl lock dies with its holder, so under it any leftover
+        # torch lock is stale and safe to remove.
+        with file_lock(build_dir.parent / f".{build_dir.name}.lock"):
+            (build_dir / "lock").unlink(missing_ok=True)
+            if not (build_dir / "pdserve_paged_attention.so").exists():
+                logger.warning("compiling the CPU paged-attention kernel (once, ~30 s)")
+            return load(
+                name="pdserve_paged_attention",
+                sources=[str(local_source)],
+                build_directory=str(build_dir),
+                extra_cflags=["-O3", "-ffast-math", "-march=native", "-fopenmp"],
+                extra_ldflags=["-fopenmp", "-lmvec"],
+                verbose=False,
+            )
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the fallback
         logger.warning("CPU paged-attention kernel unavailable (%s); using the torch path", exc)
         return None

@@ -1,0 +1,108 @@
+"""Keeps each pool sized for its SLO as load changes (Dynamo-style correction on top of the
+DistServe-style planner).
+
+Every interval: take the router's recent observations (arrival rate, prompt and output
+lengths, TTFT and TPOT percentiles); simulate the current pool sizes at that load with the
+profile; correct the profile by observed/predicted latency (smoothed); plan instances per
+pool with the corrected profile; move each pool toward its plan within [min, max] --
+up as soon as the cooldown since its last change has passed, down only once the plan
+has stayed lower for a whole cooldown (hysteresis). A pool an operator scaled by hand is
+left alone until the override is cleared. Pure decision logic: the controller applies it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from cluster.planner.profile import Profile
+from cluster.planner.search import SLO, phase_curve
+from cluster.planner.simulator import simulate
+from cluster.planner.workload import poisson
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass
+class Decision:
+    time: float
+    observed: dict
+    correction: dict
+    desired: dict
+    action: dict = field(default_factory=dict)  # role -> new size, for pools that change
+    reason: str = ""
+
+    def as_dict(self) -> dict:
+        return {"time": self.time, "observed": self.observed, "correction": self.correction,
+                "desired": self.desired, "action": self.action, "reason": self.reason}
+
+
+class Autoscaler:
+    def __init__(self, profile: Profile, slo: SLO, bounds: dict[str, tuple[int, int]], cooldown_s: float,
+                 min_samples: int = 5, clock: Callable[[], float] = time.monotonic) -> None:
+        self.profile, self.slo, self.bounds = profile, slo, bounds
+        self.cooldown_s, self.min_samples, self.clock = cooldown_s, min_samples, clock
+        self.correction = {"prefill": 1.0, "decode": 1.0}
+        self.last_change = {role: -math.inf for role in ROLES}
+        self.below_since: dict[str, float | None] = {role: None for role in ROLES}
+
+    def decide(self, observed: dict, current: dict[str, int], overridden: set[str] = frozenset()) -> Decision:
+        """`observed`: rate (req/s), count, lengths [(prompt, output)], ttft_p and tpot_p (s)."""
+        now = self.clock()
+        if observed["count"] and observed["count"] < self.min_samples:
+            return Decision(now, observed, dict(self.correction), dict(current), {}, "too few samples; holding")
+        desired = self._desired(observed, current)
+        decision = Decision(now, observed, dict(self.correction), desired)
+        for role in ROLES:
+            if role in overridden:
+                decision.reason += f"{role}: operator override; "
+                continue
+            want, have = desired[role], current[role]
+            cooled = now - self.last_change[role] >= self.cooldown_s
+            if want > have:
+                self.below_since[role] = None
+                if cooled:
+                    decision.action[role] = want
+            elif want < have:
+                self.below_since[role] = self.below_since[role] or now
+                if cooled and now - self.below_since[role] >= self.cooldown_s:
+                    decision.action[role] = want
+            else:
+                self.below_since[role] = None
+        for role in decision.action:
+            self.last_change[role] = now
+            self.below_since[role] = None
+        decision.reason += "scaling" if decision.action else "no change"
+        return decision
+
+    def _desired(self, observed: dict, current: dict[str, int]) -> dict[str, int]:
+        rate = observed["rate"]
+        if not observed["count"] or rate <= 0:
+            return {role: self._clamp(role, 0) for role in ROLES}
+        lengths = observed["lengths"]
+        self._update_correction(observed, current, lengths)
+        corrected = self.profile.scaled(prefill=self.correction["prefill"], decode=self.correction["decode"])
+        capacity = {
+            "prefill": phase_curve(corrected, lengths, "prefill", self.slo.percentile, 150).capacity(
+                self.slo, True, False),
+            "decode": phase_curve(corrected, lengths, "decode", self.slo.percentile, 150).capacity(
+                self.slo, False, True),
+        }
+        return {role: self._clamp(role, math.ceil(rate / capacity[role]) if capacity[role] > 0 else 1 << 20)
+                for role in ROLES}
+
+    def _update_correction(self, observed: dict, current: dict[str, int], lengths) -> None:
+        work = poisson(observed["rate"], 150, lengths, seed=7)
+        corrected = self.profile.scaled(prefill=self.correction["prefill"], decode=self.correction["decode"])
+        predicted = simulate(corrected, work, max(1, current["prefill"]), max(1, current["decode"]))
+        for role, key, which in (("prefill", "ttft_p", "ttft_s"), ("decode", "tpot_p", "tpot_s")):
+            seen, model = observed.get(key), predicted.percentile(which, self.slo.percentile)
+            if seen and model > 0:
+                ratio = min(8.0, max(0.125, seen / model))
+                self.correction[role] = min(64.0, max(1 / 64, self.correction[role] * ratio ** 0.5))
+
+    def _clamp(self, role: str, n: int) -> int:
+        low, high = self.bounds[role]
+        return max(low, min(high, n))

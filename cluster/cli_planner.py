@@ -1,0 +1,130 @@
+"""`pdserve profile` and `pdserve plan`: measure this hardware, then size the pools."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import yaml
+
+DEFAULT_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "workloads" / "online-poisson.jsonl"
+
+
+def add_commands(sub) -> None:
+    from engine.arg_utils import add_engine_args
+
+    prof = sub.add_parser("profile", help="measure prefill/decode step times and KV bandwidth here",
+                          description="Run the real engine on this machine and fit the latency models "
+                                      "the planner uses. Pin it like a worker (e.g. taskset -c 0, "
+                                      "OMP_NUM_THREADS=1) to profile one worker's share.")
+    prof.add_argument("--out", required=True, help="profile JSON to write")
+    prof.add_argument("--repeats", type=int, default=3)
+    add_engine_args(prof)
+    prof.set_defaults(func=_profile)
+
+    plan = sub.add_parser("plan", help="instances per pool to meet TTFT/TPOT SLOs at a rate",
+                          description="Simulate the pools with a profile and find how many prefill and "
+                                      "decode instances meet the SLOs (and the best colocated "
+                                      "configuration for comparison).")
+    plan.add_argument("--profile", required=True, help="JSON from `pdserve profile`")
+    plan.add_argument("--ttft-slo", required=True, type=_seconds, help="e.g. 2s or 500ms")
+    plan.add_argument("--tpot-slo", required=True, type=_seconds, help="e.g. 150ms")
+    plan.add_argument("--percentile", type=float, default=90.0)
+    plan.add_argument("--rate", type=float, default=None, help="requests/s (default: the trace's rate)")
+    plan.add_argument("--trace", default=None, help=f"workload JSONL for lengths (default: {DEFAULT_TRACE.name})")
+    plan.add_argument("--out", default="plan.yaml", help="plan to write (for `pdserve up/scale --plan`)")
+    plan.add_argument("--png", default=None, help="attainment-vs-rate plot (default: beside --out)")
+    plan.set_defaults(func=_plan)
+
+
+def _seconds(text: str) -> float:
+    text = text.strip().lower()
+    try:
+        if text.endswith("ms"):
+            value = float(text[:-2]) / 1000
+        else:
+            value = float(text[:-1] if text.endswith("s") else text)
+    except ValueError:
+        raise ValueError(f"not a duration: {text!r} (use e.g. 2s or 150ms)") from None
+    if value <= 0:
+        raise ValueError(f"durations must be > 0, got {text!r}")
+    return value
+
+
+def _profile(args) -> int:
+    from cluster.planner.profiler import profile_engine
+    from engine.arg_utils import engine_config_from_args
+
+    profile = profile_engine(engine_config_from_args(args), args.repeats,
+                             progress=lambda m: print(m, file=sys.stderr, flush=True))
+    Path(args.out).write_text(profile.to_json())
+    print(f"wrote {args.out}: prefill {profile.prefill_coeffs}, decode {profile.decode_coeffs}")
+    return 0
+
+
+def _plan(args) -> int:
+    from cluster.planner.profile import Profile
+    from cluster.planner.search import SLO, make_plan
+    from cluster.planner.workload import load_trace, trace_rate
+
+    profile = Profile.load(args.profile)
+    trace = load_trace(args.trace or DEFAULT_TRACE)
+    rate = args.rate or trace_rate(trace)
+    slo = SLO(args.ttft_slo, args.tpot_slo, args.percentile)
+    plan = make_plan(profile, slo, rate, trace)
+    print(f"rate {rate:.3f} req/s, SLOs: TTFT p{slo.percentile:g} <= {slo.ttft_s}s, "
+          f"TPOT p{slo.percentile:g} <= {slo.tpot_s * 1000:.0f}ms")
+    print(plan.table())
+    print(f"one instance sustains: prefill {plan.capacity['prefill']:.3f}/s, decode "
+          f"{plan.capacity['decode']:.3f}/s, colocated {plan.capacity['colocated']:.3f}/s")
+    if plan.note:
+        print(plan.note)
+    document = {"rate": rate, "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "percentile": slo.percentile},
+                "feasible": plan.feasible, "prefill": {"replicas": plan.prefill},
+                "decode": {"replicas": plan.decode}, "colocated": {"replicas": plan.colocated},
+                "capacity_per_instance": plan.capacity, "predicted": plan.predicted, "note": plan.note}
+    Path(args.out).write_text(yaml.safe_dump(document, sort_keys=False))
+    png = args.png or str(Path(args.out).with_suffix(".png"))
+    plot_attainment(profile, slo, trace, plan, png)
+    print(f"wrote {args.out} and {png}")
+    return 0
+
+
+def plot_attainment(profile, slo, trace, plan, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from cluster.planner.search import lengths_of, predict
+    from cluster.planner.workload import poisson
+
+    rates = [plan.rate * f for f in (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0)]
+    lengths = lengths_of(trace)
+    disagg, coloc = [], []
+    for rate in rates:
+        work = poisson(rate, 300, lengths, seed=2)
+        disagg.append(predict(profile, slo, work, plan.prefill, plan.decode, False)["attainment"])
+        coloc.append(predict(profile, slo, work, 0, plan.colocated, True)["attainment"])
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(rates, disagg, marker="o", label=f"disaggregated {plan.prefill}P+{plan.decode}D")
+    ax.plot(rates, coloc, marker="s", label=f"colocated x{plan.colocated}")
+    ax.axvline(plan.rate, color="grey", linestyle=":")
+    ax.set_xlabel("requests/s")
+    ax.set_ylabel(f"SLO attainment (TTFT {slo.ttft_s}s, TPOT {slo.tpot_s * 1000:.0f}ms)")
+    ax.set_ylim(0, 1.05)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def replicas_from_plan(path: str) -> dict:
+    """{"prefill.replicas": n, "decode.replicas": m} from a plan file; ValueError if malformed."""
+    try:
+        plan = yaml.safe_load(Path(path).read_text())
+        return {"prefill.replicas": int(plan["prefill"]["replicas"]),
+                "decode.replicas": int(plan["decode"]["replicas"])}
+    except FileNotFoundError:
+        raise ValueError(f"plan {path} not found") from None
+    except (yaml.YAMLError, KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"plan {path}: needs prefill.replicas and decode.replicas ({exc})") from None

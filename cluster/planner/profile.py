@@ -1,0 +1,118 @@
+"""Latency models of one engine instance, fitted from profiled step times.
+
+prefill step (T batched prompt tokens, Q = sum of squared chunk lengths: attention):
+    t = p0 + p1 * T + p2 * Q
+decode step (B running requests, C their total context tokens):
+    t = d0 + d1 * B + d2 * C
+a colocated step is one weight pass doing both: t = p0 + p1 * T + p2 * Q + d1 * B + d2 * C
+KV transfer of n tokens: n * kv_bytes_per_token / kv_bandwidth_bytes_per_s
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Profile:
+    model: str
+    prefill_coeffs: tuple[float, float, float]  # p0 [s], p1 [s/token], p2 [s/token^2]
+    decode_coeffs: tuple[float, float, float]  # d0 [s], d1 [s/request], d2 [s/context token]
+    kv_bytes_per_token: int
+    kv_bandwidth_bytes_per_s: float
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    kv_capacity_tokens: int = 1 << 20
+    samples: dict = field(default_factory=dict, compare=False)  # raw measurements, for the record
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_coeffs", "decode_coeffs"):
+            coeffs = getattr(self, name)
+            if len(coeffs) != 3 or not all(isinstance(c, int | float) and math.isfinite(c) and c >= 0
+                                           for c in coeffs):
+                raise ValueError(f"profile {name} must be 3 finite non-negative numbers, got {coeffs!r}")
+        if not self.kv_bandwidth_bytes_per_s > 0 or self.kv_bytes_per_token < 0:
+            raise ValueError("profile kv_bandwidth_bytes_per_s must be > 0 and kv_bytes_per_token >= 0")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "kv_capacity_tokens"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"profile {name} must be a positive integer, got {getattr(self, name)!r}")
+
+    def prefill_step_s(self, tokens: int, squared: float) -> float:
+        p0, p1, p2 = self.prefill_coeffs
+        return p0 + p1 * tokens + p2 * squared
+
+    def decode_step_s(self, batch: int, context: int) -> float:
+        d0, d1, d2 = self.decode_coeffs
+        return d0 + d1 * batch + d2 * context
+
+    def colocated_step_s(self, tokens: int, squared: float, batch: int, context: int) -> float:
+        p0, p1, p2 = self.prefill_coeffs
+        _, d1, d2 = self.decode_coeffs
+        return max(p0, self.decode_coeffs[0]) + p1 * tokens + p2 * squared + d1 * batch + d2 * context
+
+    def transfer_s(self, tokens: int) -> float:
+        return tokens * self.kv_bytes_per_token / self.kv_bandwidth_bytes_per_s
+
+    def scaled(self, prefill: float = 1.0, decode: float = 1.0) -> Profile:
+        """The same profile with step times multiplied (autoscaler correction factors)."""
+        from dataclasses import replace
+
+        return replace(self, prefill_coeffs=tuple(c * prefill for c in self.prefill_coeffs),
+                       decode_coeffs=tuple(c * decode for c in self.decode_coeffs))
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        try:
+            data = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ValueError(f"profile {path} not found") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"profile {path} is not JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"profile {path}: expected a JSON object")
+        known = set(cls.__dataclass_fields__)
+        missing = {"model", "prefill_coeffs", "decode_coeffs", "kv_bytes_per_token",
+                   "kv_bandwidth_bytes_per_s"} - set(data)
+        if missing or set(data) - known:
+            raise ValueError(f"profile {path}: missing {sorted(missing)}, unknown {sorted(set(data) - known)}")
+        data["prefill_coeffs"] = tuple(data["prefill_coeffs"])
+        data["decode_coeffs"] = tuple(data["decode_coeffs"])
+        try:
+            return cls(**data)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"profile {path}: {exc}") from None
+
+
+def fit_nonnegative(features: np.ndarray, times: np.ndarray) -> tuple[float, ...]:
+    """Least squares with the coefficients clipped at zero (refit without negatives)."""
+    active = list(range(features.shape[1]))
+    coeffs = np.zeros(features.shape[1])
+    while active:
+        solution, *_ = np.linalg.lstsq(features[:, active], times, rcond=None)
+        if (solution >= 0).all():
+            coeffs[active] = solution
+            break
+        active = [a for a, s in zip(active, solution, strict=True) if s >= 0]
+    return tuple(float(c) for c in coeffs)
+
+
+def fit_prefill(samples: list[tuple[int, float, float]]) -> tuple[float, float, float]:
+    """samples: (batched tokens, sum of squared chunk lengths, seconds)."""
+    data = np.asarray(samples, dtype=float)
+    features = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
+    return fit_nonnegative(features, data[:, 2])
+
+
+def fit_decode(samples: list[tuple[int, int, float]]) -> tuple[float, float, float]:
+    """samples: (batch size, total context tokens, seconds)."""
+    data = np.asarray(samples, dtype=float)
+    features = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
+    return fit_nonnegative(features, data[:, 2])

@@ -1,0 +1,127 @@
+"""`pdserve profile`: measure an engine's step times on this hardware and fit a Profile.
+
+Prefill: single steps of T prompt tokens (one chunk, and several requests' chunks).
+Decode: steady decode steps at batch B over contexts C. KV transfer: the torch transport
+moving one 2048-token prompt's KV between two ends of a real gloo/NCCL pair (in one
+process, two threads). Every figure is a median of repeats.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+
+import torch
+
+from cluster.planner.profile import Profile, fit_decode, fit_prefill
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+
+
+def profile_engine(config: EngineConfig, repeats: int = 3, progress=print) -> Profile:
+    engine = LLMEngine(config)
+    budget = config.max_num_batched_tokens
+    max_len = engine.max_model_len
+    prefill_samples = []
+    sizes = [t for t in (32, 128, 256, 512, 1024, 2048, 4096) if t <= budget and t < max_len]
+    for tokens in sizes:
+        for pieces in (1, 4):
+            if tokens // pieces < 8:
+                continue
+            seconds = _prefill_step(engine, [tokens // pieces] * pieces, repeats)
+            squared = pieces * (tokens // pieces) ** 2
+            prefill_samples.append((tokens // pieces * pieces, squared, seconds))
+            progress(f"prefill {pieces} x {tokens // pieces} tokens: {seconds * 1000:.1f} ms")
+    decode_samples = []
+    for batch in (1, 4, 16, 64):
+        for context in (128, 512):
+            if batch > config.max_num_seqs or context + 16 >= max_len:
+                continue
+            seconds = _decode_step(engine, batch, context, repeats)
+            decode_samples.append((batch, batch * context, seconds))
+            progress(f"decode batch {batch} x {context} context: {seconds * 1000:.1f} ms")
+    bandwidth = measure_kv_bandwidth(engine)
+    progress(f"KV transfer: {bandwidth / 1e9:.2f} GB/s")
+    from kv_transfer.layout import KVLayout
+
+    layout = KVLayout.of_cache(engine.runner.kv_cache)
+    kv_bytes_per_token = layout.token_bytes * layout.num_layers
+    return Profile(
+        model=config.model, prefill_coeffs=fit_prefill(prefill_samples), decode_coeffs=fit_decode(decode_samples),
+        kv_bytes_per_token=kv_bytes_per_token, kv_bandwidth_bytes_per_s=bandwidth,
+        max_num_batched_tokens=budget, max_num_seqs=config.max_num_seqs,
+        kv_capacity_tokens=engine.block_manager.num_blocks * config.block_size,
+        samples={"prefill": prefill_samples, "decode": decode_samples, "threads": torch.get_num_threads()},
+    )
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 1000, (n,), generator=generator).tolist()
+
+
+def _prefill_step(engine: LLMEngine, lengths: list[int], repeats: int) -> float:
+    times = []
+    for r in range(repeats + 1):
+        for i, n in enumerate(lengths):
+            engine.add_request(f"pf-{r}-{i}", _ids(n, i), SamplingParams(max_tokens=1, temperature=0))
+        start = time.perf_counter()
+        engine.step()
+        elapsed = time.perf_counter() - start
+        while engine.has_unfinished_requests():
+            engine.step()
+        if r:  # the first round warms up
+            times.append(elapsed)
+    return statistics.median(times)
+
+
+def _decode_step(engine: LLMEngine, batch: int, context: int, repeats: int) -> float:
+    params = SamplingParams(max_tokens=repeats + 3, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"dc-{batch}-{context}-{i}", _ids(context, i), params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
+        engine.step()
+    times = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[:-1] or times)
+
+
+def measure_kv_bandwidth(engine: LLMEngine, tokens: int = 2048) -> float:
+    """Bytes/s of the torch transport over a loopback pair (both ends in this process)."""
+    from kv_transfer.layout import KVLayout
+    from kv_transfer.reservations import ReservationTable
+    from kv_transfer.torch_transport import TorchTransport
+
+    cache = engine.runner.kv_cache
+    layout = KVLayout.of_cache(cache)
+    blocks = -(-tokens // layout.block_size)
+    target = torch.zeros(layout.num_layers, 2, blocks, layout.block_size, layout.num_kv_heads, layout.head_dim,
+                         dtype=cache.dtype, device=cache.device)
+    table = ReservationTable(layout, target)
+    receiver = TorchTransport("profile-d", layout, cache.device, max_piece_tokens=tokens)
+    sender_side = TorchTransport("profile-p", layout, cache.device, max_piece_tokens=tokens)
+    receiver.listen(table)
+    endpoint = receiver.accept("profile-p")
+    holder = {}
+    joiner = threading.Thread(target=lambda: holder.update(sender=sender_side.connect(endpoint)))
+    joiner.start()
+    joiner.join(60)
+    sender = holder["sender"]
+    k = torch.randn(tokens, layout.num_kv_heads, layout.head_dim).to(cache)
+    times = []
+    for _ in range(3):
+        res = table.register("profile", list(range(blocks)), tokens, peer="profile-p")
+        start = time.perf_counter()
+        for layer in range(layout.num_layers):
+            sender.send(res.transfer_id, layer, 0, k, k)
+        res.done.wait(60)
+        times.append(time.perf_counter() - start)
+        table.release(res.transfer_id)
+    sender.close()
+    receiver.close()
+    return tokens * layout.token_bytes * layout.num_layers / statistics.median(times)

@@ -1,0 +1,218 @@
+"""Discrete-event simulation of pdserve's pools, following the runtime's policies:
+
+- a prefill instance runs steps of FCFS chunks under `max_num_batched_tokens` (chunked
+  prefill, several requests per step); a finished prompt's KV moves to its decode
+  instance (transfer time from the profile), and the first token arrives with it;
+- a decode instance runs continuous batching: each step admits arrived requests (up to
+  `max_num_seqs` and its KV capacity), then every running request makes one token;
+- routing: the prefill instance with the fewest queued tokens, the decode instance with
+  the fewest requests (the least-loaded policy);
+- colocated: one engine per instance doing both, running requests first (decode tokens,
+  then prefill chunks under the same budget), as engine.scheduler does.
+
+Returns per-request TTFT and TPOT.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+from cluster.planner.profile import Profile
+from cluster.planner.workload import SimRequest
+
+
+@dataclass
+class SimResult:
+    ttft_s: list[float]
+    tpot_s: list[float]  # requests with more than one output token
+    finish_s: float
+
+    def percentile(self, which: str, q: float) -> float:
+        values = sorted(getattr(self, which))
+        if not values:
+            return 0.0
+        return values[min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))]
+
+    def attainment(self, ttft_slo: float, tpot_slo: float) -> float:
+        """Fraction of requests meeting both SLOs."""
+        ok = [t <= ttft_slo and (p is None or p <= tpot_slo) for t, p in zip(self.ttft_s, self._tpot_all, strict=True)]
+        return sum(ok) / len(ok) if ok else 1.0
+
+    _tpot_all: list = field(default_factory=list, repr=False)
+
+
+@dataclass
+class _Job:
+    req: SimRequest
+    remaining_prompt: int
+    first_token_s: float = -1.0
+    generated: int = 0
+    context: int = 0
+
+
+class _Instance:
+    def __init__(self) -> None:
+        self.queue: list[_Job] = []  # prefill: waiting prompts; decode: arrived, not admitted
+        self.running: list[_Job] = []
+        self.busy = False
+        self.load_tokens = 0
+
+
+def simulate(profile: Profile, requests: list[SimRequest], prefill: int, decode: int,
+             colocated: bool = False) -> SimResult:
+    """Simulate `prefill` + `decode` instances (or `decode` colocated instances)."""
+    sim = _Simulation(profile, prefill, decode, colocated)
+    return sim.run(requests)
+
+
+class _Simulation:
+    def __init__(self, profile: Profile, prefill: int, decode: int, colocated: bool) -> None:
+        if decode < 1 or (not colocated and prefill < 1):
+            raise ValueError("need at least one instance per pool")
+        self.p = profile
+        self.colocated = colocated
+        self.prefills = [] if colocated else [_Instance() for _ in range(prefill)]
+        self.decodes = [_Instance() for _ in range(decode)]
+        self.events: list = []
+        self.seq = itertools.count()
+        self.done: list[_Job] = []
+
+    def push(self, t: float, kind: str, payload) -> None:
+        heapq.heappush(self.events, (t, next(self.seq), kind, payload))
+
+    def run(self, requests: list[SimRequest]) -> SimResult:
+        for r in requests:
+            self.push(r.arrival_s, "arrive", _Job(r, r.prompt_len))
+        now = 0.0
+        while self.events:
+            now, _, kind, payload = heapq.heappop(self.events)
+            if kind == "arrive":
+                self._arrive(now, payload)
+            elif kind == "kv":
+                instance, job = payload
+                if job.req.output_len == 1:  # the first token was the last
+                    job.finish_s = now
+                    self.done.append(job)
+                    continue
+                instance.queue.append(job)
+                self._kick(now, instance, decode=True)
+            elif kind == "prefill_done":
+                self._prefill_step_done(now, payload)
+            else:
+                self._decode_step_done(now, payload)
+        ttft = [j.first_token_s - j.req.arrival_s for j in self.done]
+        tpot_all = [((j.finish_s - j.first_token_s) / (j.req.output_len - 1)) if j.req.output_len > 1 else None
+                    for j in self.done]
+        return SimResult(ttft, [x for x in tpot_all if x is not None], now, tpot_all)
+
+    # ------------------------------------------------------------ prefill pool
+    def _arrive(self, now: float, job: _Job) -> None:
+        if self.colocated:
+            instance = min(self.decodes, key=lambda i: len(i.running) + len(i.queue))
+            instance.queue.append(job)
+            self._kick(now, instance, decode=True)
+            return
+        instance = min(self.prefills, key=lambda i: i.load_tokens)
+        instance.queue.append(job)
+        instance.load_tokens += job.remaining_prompt
+        self._kick(now, instance, decode=False)
+
+    def _kick(self, now: float, instance: _Instance, decode: bool) -> None:
+        if instance.busy:
+            return
+        if decode:
+            self._decode_step(now, instance)
+        else:
+            self._prefill_step(now, instance)
+
+    def _prefill_step(self, now: float, instance: _Instance) -> None:
+        budget, chunks = self.p.max_num_batched_tokens, []
+        for job in instance.queue:
+            if budget <= 0:
+                break
+            n = min(job.remaining_prompt, budget)
+            chunks.append((job, n))
+            budget -= n
+        if not chunks:
+            return
+        tokens = sum(n for _, n in chunks)
+        squared = sum(n * (job.req.prompt_len - job.remaining_prompt + n) for job, n in chunks)
+        instance.busy = True
+        self.push(now + self.p.prefill_step_s(tokens, squared), "prefill_done", (instance, chunks))
+
+    def _prefill_step_done(self, now: float, payload) -> None:
+        instance, chunks = payload
+        instance.busy = False
+        for job, n in chunks:
+            job.remaining_prompt -= n
+            instance.load_tokens -= n
+            if job.remaining_prompt == 0:
+                instance.queue.remove(job)
+                target = min(self.decodes, key=lambda i: len(i.running) + len(i.queue))
+                arrival = now + self.p.transfer_s(job.req.prompt_len)
+                job.first_token_s = arrival  # the first token reaches the client with the KV
+                job.generated, job.context = 1, job.req.prompt_len + 1
+                self.push(arrival, "kv", (target, job))
+        self._kick(now, instance, decode=False)
+
+    # ------------------------------------------------------------ decode pool
+    def _decode_step(self, now: float, instance: _Instance) -> None:
+        self._finish_done(now, instance)
+        capacity = self.p.kv_capacity_tokens - sum(j.context for j in instance.running)
+        while instance.queue and len(instance.running) < self.p.max_num_seqs:
+            job = instance.queue[0]
+            need = job.req.prompt_len + job.req.output_len
+            if need > capacity and instance.running:
+                break
+            capacity -= need
+            instance.running.append(instance.queue.pop(0))
+        if not instance.running:
+            return
+        if self.colocated:
+            duration, chunks = self._colocated_work(instance)
+        else:
+            duration, chunks = self.p.decode_step_s(len(instance.running),
+                                                    sum(j.context for j in instance.running)), []
+        instance.busy = True
+        self.push(now + duration, "decode_done", (instance, chunks))
+
+    def _colocated_work(self, instance: _Instance):
+        budget = self.p.max_num_batched_tokens
+        decoding = [j for j in instance.running if j.remaining_prompt == 0]
+        budget -= len(decoding)
+        chunks = []
+        for job in instance.running:
+            if job.remaining_prompt and budget > 0:
+                n = min(job.remaining_prompt, budget)
+                chunks.append((job, n))
+                budget -= n
+        tokens = sum(n for _, n in chunks)
+        squared = sum(n * (j.req.prompt_len - j.remaining_prompt + n) for j, n in chunks)
+        duration = self.p.colocated_step_s(tokens, squared, len(decoding), sum(j.context for j in decoding))
+        return duration, chunks
+
+    def _decode_step_done(self, now: float, payload) -> None:
+        instance, chunks = payload
+        instance.busy = False
+        prefilling = {id(job) for job, _ in chunks}
+        for job, n in chunks:
+            job.remaining_prompt -= n
+            if job.remaining_prompt == 0:
+                job.first_token_s, job.generated, job.context = now, 1, job.req.prompt_len + 1
+        for job in instance.running:
+            if job.remaining_prompt == 0 and id(job) not in prefilling:
+                job.generated += 1
+                job.context += 1
+        self._decode_step(now, instance)
+
+    def _finish_done(self, now: float, instance: _Instance) -> None:
+        still = []
+        for job in instance.running:
+            if job.remaining_prompt == 0 and job.generated >= job.req.output_len:
+                job.finish_s = now
+                self.done.append(job)
+            else:
+                still.append(job)
+        instance.running = still
