@@ -27,12 +27,17 @@ class WorkerActor:
         self.service = self.server = None
         self.address = ""
 
-    async def start(self, engine_kwargs: dict, worker_kwargs: dict) -> dict:
+    async def start(self, engine_kwargs: dict, worker_kwargs: dict, cpu_affinity: list[int] | None = None) -> dict:
         from engine.config import EngineConfig
         from engine.llm_engine import LLMEngine
         from engine.worker_config import WorkerConfig
         from engine.worker_server import start_service
 
+        if cpu_affinity:
+            import torch
+
+            os.sched_setaffinity(0, set(cpu_affinity))
+            torch.set_num_threads(len(cpu_affinity))
         config = WorkerConfig(**{"host": _node_ip(), **worker_kwargs})
         engine = await asyncio.to_thread(LLMEngine, EngineConfig.from_kwargs(**engine_kwargs))
         if self.role == "prefill":
@@ -68,7 +73,7 @@ class RouterActor:
         logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
                             format="%(asctime)s %(levelname)s router %(name)s: %(message)s")
         self.server = None
-        self.task = None
+        self.task = self.watch = None
 
     async def start(self, router_kwargs: dict, controller_name: str, namespace: str) -> str:
         import ray
@@ -83,7 +88,9 @@ class RouterActor:
 
         config = RouterConfig(**router_kwargs)
         self.server = make_server(config, members, controller)
-        self.task = asyncio.get_running_loop().create_task(self.server.serve())
+        loop = asyncio.get_running_loop()
+        self.task = loop.create_task(self.server.serve())
+        self.watch = loop.create_task(self._watch_autoscaler(controller))
         while not self.server.started:
             if self.task.done():
                 self.task.result()  # raises why uvicorn could not start (port in use, ...)
@@ -93,6 +100,18 @@ class RouterActor:
 
     async def ping(self) -> bool:
         return self.task is not None and not self.task.done()
+
+    async def _watch_autoscaler(self, controller) -> None:
+        """Mirror the controller's autoscaler state into the router's /metrics."""
+        while True:
+            await asyncio.sleep(2.0)
+            try:
+                summary = await controller.autoscaler_summary.remote()
+            except Exception:  # noqa: BLE001 - the controller may be restarting
+                continue
+            if summary is None:
+                return
+            self.server.config.app.state.router.metrics.set_autoscaler(summary)
 
     async def observations(self, window_s: float, percentile: float = 90.0) -> dict:
         return self.server.config.app.state.router.observations(window_s, percentile)

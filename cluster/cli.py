@@ -73,3 +73,7 @@ def _generate(args: argparse.Namespace) -> int:
     print(f"[{n} tokens in {elapsed:.2f}s, {n / elapsed:.1f} tok/s, finish_reason={output.finish_reason}]",
           file=sys.stderr)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -23,6 +23,7 @@ class PoolSpec(BaseModel):
     resources: dict[str, float] = Field(default_factory=dict,
                                         description="custom Ray resources, e.g. {prefill: 1} to pin to labelled nodes")
     engine: dict = Field(default_factory=dict, description="engine options (block_size, max_num_batched_tokens, ...)")
+    cpu_affinity: list[int] | None = Field(None, description="pin this pool's workers to these CPU cores")
 
     @field_validator("engine")
     @classmethod

@@ -122,6 +122,15 @@ class Controller:
         return {"router": self.router_url, "model": self.config.name, "pools": pools, "events": list(self.events),
                 "autoscaler": autoscaler}
 
+    async def autoscaler_summary(self) -> dict | None:
+        """The latest decision (for the router's metrics), or None when autoscaling is off."""
+        if self.autoscaler is None:
+            return None
+        last = self.decisions[-1] if self.decisions else None
+        return {"decisions": len(self.decisions), "targets": dict(self.targets), "overridden": sorted(self.manual),
+                "desired": last["desired"] if last else dict(self.targets),
+                "correction": last["correction"] if last else {"prefill": 1.0, "decode": 1.0}}
+
     async def handle_of(self, worker_id: str):
         """The actor handle of a worker (operators and tests: e.g. to kill one)."""
         for w in self.workers.values():
@@ -212,11 +221,12 @@ class Controller:
         worker_kwargs = {"kv_transfer_timeout_s": cfg.kv_transfer_timeout_s}
         if cfg.worker_host:
             worker_kwargs["host"] = cfg.worker_host
-        asyncio.get_running_loop().create_task(self._start(record, cfg.engine_kwargs(role), worker_kwargs))
+        asyncio.get_running_loop().create_task(
+            self._start(record, cfg.engine_kwargs(role), worker_kwargs, spec.cpu_affinity))
 
-    async def _start(self, w: WorkerRecord, engine_kwargs: dict, worker_kwargs: dict) -> None:
+    async def _start(self, w: WorkerRecord, engine_kwargs: dict, worker_kwargs: dict, cpu_affinity) -> None:
         try:
-            info = await w.handle.start.remote(engine_kwargs, worker_kwargs)
+            info = await w.handle.start.remote(engine_kwargs, worker_kwargs, cpu_affinity)
         except Exception as exc:  # noqa: BLE001 - reported and retried by reconcile
             self.start_failures[w.role] += 1
             self._event(w.role, "start_failed", str(exc).splitlines()[-1][:300], w)

@@ -31,6 +31,7 @@ from kv_transfer.reservations import ReservationTable, TransferError
 logger = logging.getLogger(__name__)
 _HEADER_LEN = 5
 _TAG = 0
+_GOODBYE = -1  # header transfer id that ends a pair cleanly
 
 
 def _make_group(store, rank: int, device: torch.device, timeout_s: float):
@@ -40,6 +41,16 @@ def _make_group(store, rank: int, device: torch.device, timeout_s: float):
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, 2, options)
     return dist.ProcessGroupGloo(store, rank, 2, timeout)
+
+
+def _abort(group) -> None:
+    """Abort a process group: wakes blocked operations and lets the process exit cleanly."""
+    if group is None:
+        return
+    try:
+        group.abort()
+    except Exception:  # noqa: BLE001 - already broken or unsupported: nothing more to do
+        pass
 
 
 class TorchTransport:
@@ -115,10 +126,11 @@ class TorchTransport:
         return sender
 
     def close(self) -> None:
+        """Stop every pair (aborting blocked sends/receives) so the process can exit cleanly."""
         for sender in list(self._senders.values()):
             sender.close()
         for receiver in list(self._receivers.values()):
-            receiver.broken = True
+            receiver.close()
 
 
 class _PairReceiver(threading.Thread):
@@ -132,14 +144,19 @@ class _PairReceiver(threading.Thread):
         super().__init__(name=f"kv-recv-{peer_id[:8]}", daemon=True)
         self.peer_id, self.prefix, self.store, self.transport = peer_id, prefix, store, transport
         self.broken = False
+        self.group = None
         self._free: queue.Queue = queue.Queue()
         self._received: queue.Queue = queue.Queue()
+
+    def close(self) -> None:
+        self.broken = True
+        _abort(self.group)
 
     def run(self) -> None:
         t = self.transport
         writer = threading.Thread(target=self._write_loop, name=f"kv-write-{self.peer_id[:8]}", daemon=True)
         try:
-            group = _make_group(self.store, 0, t.device, t.timeout_s)
+            group = self.group = _make_group(self.store, 0, t.device, t.timeout_s)
             header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=t.device)
             for _ in range(2):
                 self._free.put(torch.empty(t.capacity, dtype=t.layout.torch_dtype, device=t.device))
@@ -148,6 +165,8 @@ class _PairReceiver(threading.Thread):
                 staging = self._free.get()
                 group.recv([header], 1, _TAG).wait()
                 transfer_id, layer, start, count, numel = header.tolist()
+                if transfer_id == _GOODBYE:
+                    break
                 if not 0 <= numel <= t.capacity:
                     raise KVTransportError(f"peer announced {numel} elements; staging holds {t.capacity}")
                 group.recv([staging[:numel]], 1, _TAG).wait()
@@ -156,8 +175,12 @@ class _PairReceiver(threading.Thread):
             if not self.broken:
                 logger.warning("KV pair with %s broke: %s", self.peer_id, exc)
             self.broken = True
-            self._received.put(None)
             t._table.fail_peer(self.peer_id, f"KV connection to prefill worker lost: {exc}")
+        finally:
+            self.broken = True
+            self._received.put(None)
+            if writer.is_alive():
+                writer.join(5)
 
     def _write_loop(self) -> None:
         table = self.transport._table
@@ -225,6 +248,9 @@ class TorchPairSender(KVSender):
             if item is None:
                 return
             transfer_id, layer, start, count, numel, buffer = item
+            if transfer_id == _GOODBYE:
+                self._send_goodbye(header)
+                continue
             try:
                 if transfer_id not in self._discarded and not self.broken:
                     header.copy_(torch.tensor([transfer_id, layer, start, count, numel]))
@@ -238,6 +264,13 @@ class TorchPairSender(KVSender):
             finally:
                 self._free.put(buffer)
                 self._done_one(transfer_id)
+
+    def _send_goodbye(self, header: torch.Tensor) -> None:
+        try:
+            header.copy_(torch.tensor([_GOODBYE, 0, 0, 0, 0]))
+            self.group.send([header], 0, _TAG).wait()
+        except Exception:  # noqa: BLE001 - the peer is gone already
+            pass
 
     def _done_one(self, transfer_id: int) -> None:
         with self._cond:
@@ -268,5 +301,9 @@ class TorchPairSender(KVSender):
                 self._discarded.add(transfer_id)
 
     def close(self) -> None:
-        self.broken = self.broken or "closed"
+        """Say goodbye (the peer's receiver ends cleanly), stop the sending thread."""
+        if not self.broken:
+            self._outbox.put((_GOODBYE, 0, 0, 0, 0, None))
         self._outbox.put(None)
+        self._thread.join(5)
+        self.broken = self.broken or "closed"

@@ -29,6 +29,20 @@ class RouterMetrics:
                                    ["pool"], registry=r)
         self.kv_usage = Gauge("pdserve_pool_kv_usage", "fraction of KV blocks in use", ["pool"], registry=r)
         self.pool_workers = Gauge("pdserve_pool_workers", "routable workers per pool", ["pool"], registry=r)
+        self.autoscaler_target = Gauge("pdserve_autoscaler_target_replicas", "pool size the controller keeps",
+                                       ["pool"], registry=r)
+        self.autoscaler_desired = Gauge("pdserve_autoscaler_desired_replicas", "pool size the last plan wanted",
+                                        ["pool"], registry=r)
+        self.autoscaler_correction = Gauge("pdserve_autoscaler_correction", "observed/predicted latency factor",
+                                           ["pool"], registry=r)
+        self.autoscaler_decisions = Gauge("pdserve_autoscaler_decisions", "autoscaler decisions so far", registry=r)
+
+    def set_autoscaler(self, summary: dict) -> None:
+        self.autoscaler_decisions.set(summary["decisions"])
+        for pool in ("prefill", "decode"):
+            self.autoscaler_target.labels(pool).set(summary["targets"][pool])
+            self.autoscaler_desired.labels(pool).set(summary["desired"][pool])
+            self.autoscaler_correction.labels(pool).set(summary["correction"][pool])
 
     def observe(self, generation) -> None:
         result = generation.result

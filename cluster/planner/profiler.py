@@ -36,9 +36,9 @@ def profile_engine(config: EngineConfig, repeats: int = 3, progress=print) -> Pr
             progress(f"prefill {pieces} x {tokens // pieces} tokens: {seconds * 1000:.1f} ms")
     decode_samples = []
     for batch in (1, 4, 16, 64):
-        for context in (128, 512):
-            if batch > config.max_num_seqs or context + 16 >= max_len:
-                continue
+        for context in (64, 128, 512):
+            if batch > config.max_num_seqs or context + 16 >= max_len or batch * context > 8192:
+                continue  # (the cap keeps the prefill needed to reach the batch short)
             seconds = _decode_step(engine, batch, context, repeats)
             decode_samples.append((batch, batch * context, seconds))
             progress(f"decode batch {batch} x {context} context: {seconds * 1000:.1f} ms")
@@ -123,5 +123,6 @@ def measure_kv_bandwidth(engine: LLMEngine, tokens: int = 2048) -> float:
         times.append(time.perf_counter() - start)
         table.release(res.transfer_id)
     sender.close()
-    receiver.close()
+    receiver_thread = receiver._receivers["profile-p"]
+    receiver_thread.join(10)
     return tokens * layout.token_bytes * layout.num_layers / statistics.median(times)

@@ -110,7 +110,7 @@ def _saturation_rate(profile: Profile, lengths: list[tuple[int, int]], phase: st
 
 
 def make_plan(profile: Profile, slo: SLO, rate: float, workload: list[SimRequest],
-              curves: dict[str, Curve] | None = None) -> Plan:
+              curves: dict[str, Curve] | None = None, verify_requests: int = 300) -> Plan:
     """Instances per pool for `rate` requests/s with `workload`'s lengths, and predictions."""
     if rate <= 0:
         raise ValueError(f"rate must be > 0, got {rate}")
@@ -130,7 +130,7 @@ def make_plan(profile: Profile, slo: SLO, rate: float, workload: list[SimRequest
         plan.note = (f"no configuration meets these SLOs: at the lightest load one instance gives "
                      f"TTFT p{slo.percentile:g} {best[0]:.2f}s (SLO {slo.ttft_s}s) and TPOT p{slo.percentile:g} "
                      f"{best[1] * 1000:.0f}ms (SLO {slo.tpot_s * 1000:.0f}ms); best attainable figures shown")
-    work = poisson(rate, max(300, len(workload)), lengths, seed=1)
+    work = poisson(rate, max(verify_requests, min(len(workload), 2000)), lengths, seed=1)
     plan.predicted["disaggregated"] = predict(profile, slo, work, plan.prefill, plan.decode, False)
     colocated = plan.colocated if capacity["colocated"] else max(1, plan.prefill + plan.decode)
     plan.predicted["colocated"] = predict(profile, slo, work, 0, colocated, True)

@@ -1,0 +1,138 @@
+"""The planner's pure parts: latency fits, the simulator against closed forms, plans,
+monotonicity, infeasible SLOs, malformed inputs, and the autoscaler's decisions."""
+
+import json
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cluster.autoscaler import Autoscaler
+from cluster.planner.profile import Profile, fit_decode, fit_prefill
+from cluster.planner.search import SLO, make_plan, phase_curve
+from cluster.planner.simulator import simulate
+from cluster.planner.workload import SimRequest, load_trace, poisson
+
+# A plausible one-core profile: ~2.5 ms per prompt token, decode steps of 30 ms + 1.5 ms/request
+PROFILE = Profile("test", (0.02, 0.0025, 1e-8), (0.03, 0.0015, 2e-6), 46080, 1.5e9,
+                  max_num_batched_tokens=2048, max_num_seqs=256)
+LENGTHS = [(64, 32), (256, 64), (512, 128), (128, 16)]
+
+
+@pytest.mark.parametrize("rho", [0.5, 0.8])
+def test_single_prefill_server_matches_md1(rho):
+    service = 0.1  # deterministic: one 100-token prompt per step, fixed step time
+    profile = Profile("md1", (service, 0.0, 0.0), (0.01, 0.0, 0.0), 0, 1e12, max_num_batched_tokens=100)
+    work = poisson(rho / service, 20000, [(100, 1)], seed=3)
+    result = simulate(profile, work, prefill=1, decode=1)
+    mean_ttft = sum(result.ttft_s) / len(result.ttft_s)
+    expected = service + rho * service / (2 * (1 - rho))  # M/D/1: W = D + rho D / (2 (1 - rho))
+    assert abs(mean_ttft - expected) / expected < 0.05
+
+
+def test_one_request_costs_exactly_its_steps():
+    work = [SimRequest(0.0, 300, 5)]
+    result = simulate(PROFILE, work, prefill=1, decode=1)
+    prefill_s = PROFILE.prefill_step_s(300, 300 * 300)
+    assert result.ttft_s[0] == pytest.approx(prefill_s + PROFILE.transfer_s(300))
+    # 4 more tokens, one decode step each, contexts 301..304
+    steps = [PROFILE.decode_step_s(1, 301 + i) for i in range(4)]
+    assert result.tpot_s[0] == pytest.approx(sum(steps) / 4)
+
+
+def test_long_prompts_stall_colocated_decoding():
+    work = poisson(0.5, 200, [(1800, 64), (64, 128)], seed=1)
+    disagg = simulate(PROFILE, work, prefill=1, decode=1)
+    colocated = simulate(PROFILE, work, prefill=0, decode=2, colocated=True)
+    assert colocated.percentile("tpot_s", 90) > 2 * disagg.percentile("tpot_s", 90)
+
+
+def test_fits_recover_known_coefficients():
+    prefill = [(t, q, 0.01 + 0.002 * t + 3e-7 * q) for t, q in [(32, 1024), (256, 65536), (1024, 2**20),
+                                                               (1024, 2**18), (2048, 2**22)]]
+    decode = [(b, c, 0.02 + 0.001 * b + 1e-6 * c) for b, c in [(1, 128), (4, 2048), (16, 2048), (64, 32768)]]
+    assert fit_prefill(prefill) == pytest.approx((0.01, 0.002, 3e-7), rel=1e-6)
+    assert fit_decode(decode) == pytest.approx((0.02, 0.001, 1e-6), rel=1e-6)
+
+
+@pytest.fixture(scope="module")
+def curves():
+    return {phase: phase_curve(PROFILE, LENGTHS, phase) for phase in ("prefill", "decode", "colocated")}
+
+
+def test_plan_sizes_each_pool_for_its_own_slo(curves):
+    work = poisson(1.0, 200, LENGTHS, seed=0)
+    plan = make_plan(PROFILE, SLO(2.0, 0.15), 2.0, work, curves)
+    assert plan.feasible and plan.prefill >= 1 and plan.decode >= 1
+    assert plan.prefill == math.ceil(2.0 / plan.capacity["prefill"])
+    assert plan.decode == math.ceil(2.0 / plan.capacity["decode"])
+    assert plan.predicted["disaggregated"]["attainment"] > 0.8
+    assert "disaggregated" in plan.table() and "colocated" in plan.table()
+
+
+@settings(max_examples=20, deadline=None)
+@given(rate=st.floats(0.1, 6.0), factor=st.floats(1.0, 3.0), ttft=st.floats(0.5, 5.0), tpot=st.floats(0.05, 0.5),
+       tighten=st.floats(0.3, 1.0))
+def test_higher_rate_or_tighter_slo_never_needs_fewer_instances(curves, rate, factor, ttft, tpot, tighten):
+    work = poisson(1.0, 50, LENGTHS, seed=0)
+    base = make_plan(PROFILE, SLO(ttft, tpot), rate, work, curves, verify_requests=50)
+    busier = make_plan(PROFILE, SLO(ttft, tpot), rate * factor, work, curves, verify_requests=50)
+    tighter = make_plan(PROFILE, SLO(ttft * tighten, tpot * tighten), rate, work, curves, verify_requests=50)
+    assert busier.feasible == base.feasible  # feasibility depends on the SLO, not the rate
+    assert base.feasible or not tighter.feasible  # tightening never makes an impossible SLO possible
+    for plan in (busier, tighter):
+        if plan.feasible:  # an infeasible plan says so instead of naming a count
+            assert plan.prefill >= base.prefill and plan.decode >= base.decode
+            assert plan.colocated >= base.colocated
+
+
+def test_impossible_slos_get_a_plan_that_says_so(curves):
+    work = poisson(1.0, 100, LENGTHS, seed=0)
+    plan = make_plan(PROFILE, SLO(0.001, 0.001), 1.0, work, curves)
+    assert not plan.feasible
+    assert "no configuration meets these SLOs" in plan.note and "TTFT p90" in plan.note
+    assert plan.predicted["disaggregated"]["attainment"] < 0.5
+
+
+def test_malformed_profile_and_trace_are_named(tmp_path):
+    bad = tmp_path / "p.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="is not JSON"):
+        Profile.load(bad)
+    bad.write_text(json.dumps({"model": "m", "prefill_coeffs": [1, 2], "decode_coeffs": [0, 0, 0],
+                               "kv_bytes_per_token": 1, "kv_bandwidth_bytes_per_s": 1.0}))
+    with pytest.raises(ValueError, match="prefill_coeffs must be 3 finite non-negative numbers"):
+        Profile.load(bad)
+    bad.write_text(json.dumps({"model": "m"}))
+    with pytest.raises(ValueError, match="missing"):
+        Profile.load(bad)
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"arrival_s": 0, "prompt_len": 5, "max_tokens": 3}\n{"arrival_s": "soon"}\n')
+    with pytest.raises(ValueError, match="line 2"):
+        load_trace(trace)
+
+
+def test_autoscaler_scales_decode_up_on_slow_tpot_and_down_after_cooldown():
+    now = [0.0]
+    scaler = Autoscaler(PROFILE, SLO(2.0, 0.05), {"prefill": (1, 4), "decode": (1, 4)}, cooldown_s=30,
+                        clock=lambda: now[0])
+    lengths = [(128, 64)] * 50
+    busy = {"count": 50, "rate": 2.0, "lengths": lengths, "ttft_p": 0.5, "tpot_p": 0.2}
+    decision = scaler.decide(busy, {"prefill": 1, "decode": 1})
+    assert decision.action.get("decode", 1) > 1, decision
+    assert decision.correction["decode"] > 1  # slower than the profile predicts
+    now[0] = 10.0  # still cooling down: no second change
+    assert "decode" not in scaler.decide(busy, {"prefill": 1, "decode": decision.action["decode"]}).action
+    idle = {"count": 0, "rate": 0.0, "lengths": [], "ttft_p": None, "tpot_p": None}
+    now[0] = 40.0
+    assert scaler.decide(idle, {"prefill": 1, "decode": 3}).action == {}  # below plan: wait a cooldown
+    now[0] = 75.0
+    assert scaler.decide(idle, {"prefill": 1, "decode": 3}).action == {"decode": 1}
+
+
+def test_autoscaler_leaves_an_overridden_pool_alone():
+    scaler = Autoscaler(PROFILE, SLO(2.0, 0.05), {"prefill": (1, 4), "decode": (1, 4)}, cooldown_s=0)
+    busy = {"count": 50, "rate": 2.0, "lengths": [(128, 64)] * 50, "ttft_p": 0.5, "tpot_p": 0.2}
+    decision = scaler.decide(busy, {"prefill": 1, "decode": 1}, overridden={"decode"})
+    assert "decode" not in decision.action and "operator override" in decision.reason
