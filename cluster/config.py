@@ -28,7 +28,10 @@ class PoolSpec(BaseModel):
     @field_validator("engine")
     @classmethod
     def _engine_options(cls, value: dict) -> dict:
-        EngineConfig.from_kwargs(**{"model": DEFAULT_MODEL, **value})  # names a bad option
+        try:
+            EngineConfig.from_kwargs(**{"model": DEFAULT_MODEL, **value})  # names a bad option
+        except TypeError as exc:
+            raise ValueError(str(exc)) from None
         return value
 
 
