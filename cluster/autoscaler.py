@@ -35,7 +35,7 @@ class Decision:
     reason: str = ""
 
     def as_dict(self) -> dict:
-        return {"time": self.time, "observed": self.observed, "correction": self.correction,
+        return {"time": time.time(), "observed": self.observed, "correction": self.correction,
                 "desired": self.desired, "action": self.action, "reason": self.reason}
 
 

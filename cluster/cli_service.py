@@ -165,6 +165,15 @@ def _status(args) -> int:
             print(f"  {w['worker_id'] or '(starting)':14} {w['address'] or '-':22} {w['state']:9} "
                   f"running {s.get('num_running', '-')!s:>4}  waiting {s.get('num_waiting', '-')!s:>4}  "
                   f"queued prefill tokens {s.get('queued_prefill_tokens', '-')!s:>6}  KV used {kv}")
+    auto = status.get("autoscaler") or {}
+    if auto.get("enabled"):
+        overridden = ", ".join(auto["overridden"]) or "none"
+        print(f"autoscaler: on (operator overrides: {overridden})")
+        for d in auto["decisions"][-3:]:
+            obs = d["observed"]
+            print(f"  {time.strftime('%H:%M:%S', time.localtime(d['time']))} rate {obs.get('rate', 0):.2f}/s "
+                  f"TTFT p {obs.get('ttft_p') or 0:.2f}s TPOT p {1000 * (obs.get('tpot_p') or 0):.0f}ms "
+                  f"correction {d['correction']} desired {d['desired']} action {d['action'] or 'none'}")
     print("recent events:")
     for e in status["events"][-8:]:
         print(f"  {time.strftime('%H:%M:%S', time.localtime(e['time']))} {e['role']:8} {e['event']:12} "
