@@ -126,7 +126,7 @@ def plot(result: dict, path: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     names = list(result["throughput"])
     ax1.bar(names, [result["throughput"][n]["output_tokens_per_s"] for n in names],
-            color=["#999", "#999", "#2a7"])
+            color=["#2a7" if n == "pdserve" else "#999" for n in names])
     ax1.set_ylabel("output tokens/s")
     ax1.set_title("offline-mixed (64 requests)")
     step = result["decode_step"]
