@@ -69,6 +69,15 @@ class Controller:
         """Start the pools and the router; returns the router's URL once workers are ready."""
         self._reconcile()
         await self._wait_ready()
+        await self._start_router()
+        loop = asyncio.get_running_loop()
+        self._health_task = loop.create_task(self._health_loop())
+        if self.autoscaler is not None:
+            self._autoscale_task = loop.create_task(self._autoscale_loop())
+        self._event("router", "ready", self.router_url)
+        return self.router_url
+
+    async def _start_router(self) -> None:
         cfg = self.config
         router_kwargs = dict(model=cfg.model, served_model_name=cfg.name, host=cfg.router.host,
                              port=cfg.router.port, routing=cfg.router.routing,
@@ -79,12 +88,6 @@ class Controller:
             name="pdserve-router", namespace=NAMESPACE, num_cpus=0, lifetime="detached",
             runtime_env={"env_vars": dict(cfg.env)}).remote()
         self.router_url = await self.router.start.remote(router_kwargs, CONTROLLER_NAME, NAMESPACE)
-        loop = asyncio.get_running_loop()
-        self._health_task = loop.create_task(self._health_loop())
-        if self.autoscaler is not None:
-            self._autoscale_task = loop.create_task(self._autoscale_loop())
-        self._event("router", "ready", self.router_url)
-        return self.router_url
 
     async def shutdown(self) -> None:
         for task in (self._health_task, self._autoscale_task):
@@ -281,6 +284,20 @@ class Controller:
                 await self._forget(w, "dead")
             if dead:
                 self._reconcile()
+            if self.router is not None and not await self._ping_router():
+                self._event("router", "died", self.router_url)
+                ray.kill(self.router, no_restart=True)
+                try:
+                    await self._start_router()
+                    self._event("router", "replaced", self.router_url)
+                except Exception as exc:  # noqa: BLE001 - retried at the next check
+                    self._event("router", "start_failed", str(exc)[:200])
+
+    async def _ping_router(self) -> bool:
+        try:
+            return bool(await asyncio.wait_for(self.router.ping.remote(), 5))
+        except Exception:  # noqa: BLE001 - dead or hung
+            return False
 
     @staticmethod
     async def _ping(w: WorkerRecord) -> bool:

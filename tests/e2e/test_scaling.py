@@ -8,7 +8,7 @@ import time
 import aiohttp
 import pytest
 
-from tests.e2e.http import stream
+from tests.e2e.http import post, stream
 
 
 class Traffic:
@@ -117,3 +117,18 @@ def test_killed_worker_actor_fails_only_its_requests_and_is_replaced(service, ro
     assert outcomes[restored_at:] and all(o == "ok" for o in outcomes[restored_at:]), "the restored pool serves"
     events = [(e["role"], e["event"]) for e in pool_state(controller)["events"]]
     assert (role, "died") in events
+
+
+def test_a_dead_router_is_replaced(service):
+    import ray
+
+    from tests.e2e.conftest import wait_http
+
+    router = ray.get_actor("pdserve-router", namespace="pdserve")
+    ray.kill(router, no_restart=True)
+    time.sleep(1.0)
+    wait_http(service["url"] + "/health", timeout_s=60)
+    status, body, _ = post(service["url"] + "/v1/completions", {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3})
+    assert status == 200 and body["usage"]["completion_tokens"] == 3
+    events = [(e["role"], e["event"]) for e in pool_state(service["controller"])["events"]]
+    assert ("router", "died") in events and ("router", "replaced") in events
