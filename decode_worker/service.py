@@ -26,15 +26,13 @@ from collections import deque
 import grpc
 
 from decode_worker.prefill_client import PrefillClient
-from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.worker_config import WorkerConfig
+from engine.worker_service import WorkerServiceBase
 from kv_transfer.base import check_transport_name
-from kv_transfer.layout import KVLayout
 from kv_transfer.reservations import ReservationTable
-from kv_transfer.torch_transport import TorchTransport
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from protos.convert import check_prompt_ids, sampling_from_proto
@@ -42,18 +40,12 @@ from protos.convert import check_prompt_ids, sampling_from_proto
 logger = logging.getLogger(__name__)
 
 
-class DecodeService(pb_grpc.DecodeWorkerServicer):
+class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
+    role = "decode"
+
     def __init__(self, engine: LLMEngine, config: WorkerConfig) -> None:
-        self.engine, self.config = engine, config
-        self.aengine = AsyncEngine(engine, stats_fn=self._stats)
-        self.draining = False  # set by drain(): refuse new requests, finish open ones
-        self.layout = KVLayout.of_cache(engine.runner.kv_cache)
+        super().__init__(engine, config)
         self.table = ReservationTable(self.layout, engine.runner.kv_cache)
-        self.torch_transport = TorchTransport(
-            config.worker_id, self.layout, engine.runner.kv_cache.device,
-            max_piece_tokens=engine.config.max_num_batched_tokens, host=config.host,
-            timeout_s=config.kv_transfer_timeout_s,
-        )
         self.kv_endpoint = self.torch_transport.listen(self.table)
         self.prefill = PrefillClient(self)
         self._block_waiters: deque[tuple[str, int, asyncio.Future]] = deque()
@@ -67,41 +59,25 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
 
     async def start(self) -> None:
         self.aengine.after_step.append(self._serve_block_waiters)
-        self.aengine.start()
+        await super().start()
 
     async def stop(self) -> None:
-        await self.aengine.stop()
+        await super().stop()
         await self.prefill.close()
-        self.torch_transport.close()
 
     # ------------------------------------------------------------ RPCs
-    async def Info(self, request, context) -> pb.WorkerInfo:
-        info = pb.WorkerInfo(
-            worker_id=self.config.worker_id, role="decode", model=self.engine.config.model,
-            kv_transports=["torch", "grpc"], kv_endpoint=self.kv_endpoint,
-            max_model_len=self.engine.max_model_len, vocab_size=self.engine.loaded.shape.vocab_size,
-        )
-        self.layout.to_proto(info.layout)
-        return info
-
-    async def Stats(self, request, context) -> pb.WorkerStats:
-        return self.aengine.stats()
+    def _kv_endpoint(self) -> str:
+        return self.kv_endpoint
 
     def _stats(self) -> pb.WorkerStats:
         scheduler = self.engine.scheduler
         queued = sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting)
         queued += sum(r.num_prompt_tokens - r.num_computed_tokens for r in scheduler.running
                       if r.num_computed_tokens < r.num_prompt_tokens)
-        return pb.WorkerStats(
-            worker_id=self.config.worker_id, role="decode",
-            num_waiting=len(scheduler.waiting) + len(self._block_waiters),
-            num_running=len(scheduler.running), num_waiting_for_kv=len(self.table),
-            queued_prefill_tokens=queued,
-            num_free_blocks=self.engine.block_manager.num_free_blocks,
-            num_total_blocks=self.engine.block_manager.num_blocks,
-            recent_step_ms=list(self.aengine.recent_step_ms),
-            num_preemptions=scheduler.num_preemptions, num_finished=self.aengine.num_finished,
-            num_failed_transfers=self.num_failed_legs, draining=self.draining,
+        return self._worker_stats(
+            num_waiting=len(scheduler.waiting) + len(self._block_waiters), num_running=len(scheduler.running),
+            num_waiting_for_kv=len(self.table), queued_prefill_tokens=queued,
+            num_failed_transfers=self.num_failed_legs,
         )
 
     async def Abort(self, request, context) -> pb.AbortReply:

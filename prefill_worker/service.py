@@ -22,13 +22,12 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
 from engine.worker_config import WorkerConfig
+from engine.worker_service import WorkerServiceBase
 from kv_transfer.base import KVSender, check_transport_name
 from kv_transfer.grpc_transport import GrpcStreamSender
 from kv_transfer.layout import KVLayout
-from kv_transfer.torch_transport import TorchTransport
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from protos.convert import check_prompt_ids, sampling_from_proto
@@ -43,17 +42,11 @@ class _Shipment:
     error: str | None = None
 
 
-class PrefillService(pb_grpc.PrefillWorkerServicer):
+class PrefillService(WorkerServiceBase, pb_grpc.PrefillWorkerServicer):
+    role = "prefill"
+
     def __init__(self, engine: LLMEngine, config: WorkerConfig) -> None:
-        self.engine, self.config = engine, config
-        self.aengine = AsyncEngine(engine, stats_fn=self._stats)
-        self.draining = False  # set by drain(): refuse new requests, finish open ones
-        self.layout = KVLayout.of_cache(engine.runner.kv_cache)
-        self.torch_transport = TorchTransport(
-            config.worker_id, self.layout, engine.runner.kv_cache.device,
-            max_piece_tokens=engine.config.max_num_batched_tokens, host=config.host,
-            timeout_s=config.kv_transfer_timeout_s,
-        )
+        super().__init__(engine, config)
         self._shipments: dict[str, _Shipment] = {}
         self._streams: dict[str, asyncio.Task] = {}
         engine.runner.kv_hook = self._ship
@@ -61,39 +54,12 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
     def add_to(self, server: grpc.aio.Server) -> None:
         pb_grpc.add_PrefillWorkerServicer_to_server(self, server)
 
-    async def start(self) -> None:
-        self.aengine.start()
-
-    async def stop(self) -> None:
-        await self.aengine.stop()
-        self.torch_transport.close()
-
     # ------------------------------------------------------------ RPCs
-    async def Info(self, request, context) -> pb.WorkerInfo:
-        info = pb.WorkerInfo(
-            worker_id=self.config.worker_id, role="prefill", model=self.engine.config.model,
-            kv_transports=["torch", "grpc"], max_model_len=self.engine.max_model_len,
-            vocab_size=self.engine.loaded.shape.vocab_size,
-        )
-        self.layout.to_proto(info.layout)
-        return info
-
-    async def Stats(self, request, context) -> pb.WorkerStats:
-        return self.aengine.stats()
-
     def _stats(self) -> pb.WorkerStats:
         scheduler = self.engine.scheduler
         queued = sum(r.num_tokens - r.num_computed_tokens for r in scheduler.requests.values())
-        return pb.WorkerStats(
-            worker_id=self.config.worker_id, role="prefill",
-            num_waiting=len(scheduler.waiting), num_running=len(self._streams),
-            queued_prefill_tokens=queued,
-            num_free_blocks=self.engine.block_manager.num_free_blocks,
-            num_total_blocks=self.engine.block_manager.num_blocks,
-            recent_step_ms=list(self.aengine.recent_step_ms),
-            num_preemptions=scheduler.num_preemptions, num_finished=self.aengine.num_finished,
-            draining=self.draining,
-        )
+        return self._worker_stats(num_waiting=len(scheduler.waiting), num_running=len(self._streams),
+                                  queued_prefill_tokens=queued)
 
     async def Abort(self, request, context) -> pb.AbortReply:
         task = self._streams.get(request.request_id)

@@ -1,0 +1,61 @@
+"""What the prefill and decode workers' gRPC services share: the engine driver, the KV
+layout and torch transport, draining, and the Info/Stats answers."""
+
+from __future__ import annotations
+
+from engine.async_engine import AsyncEngine
+from engine.llm_engine import LLMEngine
+from engine.worker_config import WorkerConfig
+from kv_transfer.layout import KVLayout
+from kv_transfer.torch_transport import TorchTransport
+from protos import pdserve_pb2 as pb
+
+
+class WorkerServiceBase:
+    role = ""
+
+    def __init__(self, engine: LLMEngine, config: WorkerConfig) -> None:
+        self.engine, self.config = engine, config
+        self.aengine = AsyncEngine(engine, stats_fn=self._stats)
+        self.draining = False  # set by drain(): refuse new requests, finish open ones
+        self.layout = KVLayout.of_cache(engine.runner.kv_cache)
+        self.torch_transport = TorchTransport(
+            config.worker_id, self.layout, engine.runner.kv_cache.device,
+            max_piece_tokens=engine.config.max_num_batched_tokens, host=config.host,
+            timeout_s=config.kv_transfer_timeout_s,
+        )
+
+    async def start(self) -> None:
+        self.aengine.start()
+
+    async def stop(self) -> None:
+        await self.aengine.stop()
+        self.torch_transport.close()
+
+    async def Info(self, request, context) -> pb.WorkerInfo:
+        info = pb.WorkerInfo(
+            worker_id=self.config.worker_id, role=self.role, model=self.engine.config.model,
+            kv_transports=["torch", "grpc"], kv_endpoint=self._kv_endpoint(),
+            max_model_len=self.engine.max_model_len, vocab_size=self.engine.loaded.shape.vocab_size,
+        )
+        self.layout.to_proto(info.layout)
+        return info
+
+    async def Stats(self, request, context) -> pb.WorkerStats:
+        return self.aengine.stats()
+
+    def _kv_endpoint(self) -> str:
+        return ""
+
+    def _stats(self) -> pb.WorkerStats:
+        """The role's load report: `_worker_stats(...)` with its own counts."""
+        raise NotImplementedError
+
+    def _worker_stats(self, **fields) -> pb.WorkerStats:
+        scheduler, blocks = self.engine.scheduler, self.engine.block_manager
+        return pb.WorkerStats(
+            worker_id=self.config.worker_id, role=self.role, num_free_blocks=blocks.num_free_blocks,
+            num_total_blocks=blocks.num_blocks, recent_step_ms=list(self.aengine.recent_step_ms),
+            num_preemptions=scheduler.num_preemptions, num_finished=self.aengine.num_finished,
+            draining=self.draining, **fields,
+        )
