@@ -96,6 +96,12 @@ class TorchTransport:
                 receiver.start()
             return f"{self.host}:{self._store.port}/{receiver.prefix}"
 
+    def wait_closed(self, peer_id: str, timeout_s: float = 10.0) -> None:
+        """Wait for the pair with `peer_id` to end (after the sender closed it)."""
+        receiver = self._receivers.get(peer_id)
+        if receiver is not None:
+            receiver.join(timeout_s)
+
     # ------------------------------------------------------------ prefill side
     def connect(self, endpoint: str) -> TorchPairSender:
         """Join the pair named by `endpoint` (blocking until the group forms). Concurrent

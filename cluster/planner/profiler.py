@@ -123,6 +123,5 @@ def measure_kv_bandwidth(engine: LLMEngine, tokens: int = 2048) -> float:
         times.append(time.perf_counter() - start)
         table.release(res.transfer_id)
     sender.close()
-    receiver_thread = receiver._receivers["profile-p"]
-    receiver_thread.join(10)
+    receiver.wait_closed("profile-p")
     return tokens * layout.token_bytes * layout.num_layers / statistics.median(times)
