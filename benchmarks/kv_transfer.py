@@ -93,7 +93,7 @@ def socket_gbps(repeats: int) -> float:
 
 
 # ---------------------------------------------------------------- transports
-def _torch_receiver(conn, repeats: int) -> None:
+def _torch_receiver(conn, repeats: int, shuffled: bool) -> None:
     from kv_transfer.reservations import ReservationTable
     from kv_transfer.torch_transport import TorchTransport
 
@@ -104,21 +104,26 @@ def _torch_receiver(conn, repeats: int) -> None:
     transport = TorchTransport("decode", lay, "cpu", max_piece_tokens=TOKENS)
     conn.send(transport.listen(table))
     conn.send(transport.accept("prefill"))
+    block_table = torch.randperm(blocks).tolist() if shuffled else list(range(blocks))
     for _ in range(repeats):
-        reservation = table.register("r", list(range(blocks)), TOKENS, peer="prefill")
+        reservation = table.register("r", block_table, TOKENS, peer="prefill")
         conn.send(reservation.transfer_id)
         reservation.done.wait(120)
         assert reservation.complete, reservation.error
         table.release(reservation.transfer_id)
         conn.send("done")
+    transport.wait_closed("prefill")  # the sender's goodbye ends the pair
+    transport.close()
 
 
-def torch_gbps(repeats: int) -> float:
+def torch_gbps(repeats: int, shuffled: bool = False) -> float:
+    """Into consecutive cache blocks, or (`shuffled`) into blocks in random order, as a
+    long-running decode worker's free list hands them out."""
     from kv_transfer.torch_transport import TorchTransport
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    receiver = ctx.Process(target=_torch_receiver, args=(child, repeats))
+    receiver = ctx.Process(target=_torch_receiver, args=(child, repeats, shuffled))
     receiver.start()
     parent.recv()
     endpoint = parent.recv()
@@ -273,8 +278,8 @@ def plot(result: dict, path: Path) -> None:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     bw = result["bandwidth_gbps"]
-    ax1.bar(list(bw), list(bw.values()), color=["#999", "#999", "#2a7", "#2a7"])
-    ax1.set_ylabel("GB/s (median)")
+    ax1.bar([n.replace("_", "\n") for n in bw], list(bw.values()), color=["#999", "#999", "#2a7", "#2a7", "#2a7"])
+    ax1.set_ylabel("GB/s (median of rounds)")
     ax1.set_title("94 MB of KV, loopback")
     ttft = result["ttft_s_median"]
     ax2.bar(list(ttft), list(ttft.values()), color=["#999", "#2a7", "#2a7"])
@@ -287,7 +292,8 @@ def plot(result: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5, help="transfers per measure (median)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of all bandwidth measures")
     parser.add_argument("--ttft-repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS / "kv_transfer.json")
     args = parser.parse_args()
@@ -296,15 +302,18 @@ def main() -> None:
     from engine.model_source import resolve_model
 
     model = str(resolve_model(args.model))
-    result = {"kv_bytes": kv_bytes(), "bandwidth_gbps": {}, "ttft_s": {}}
-    bw = result["bandwidth_gbps"]
-    print("bandwidth ...", flush=True)
-    bw["memory_copy"] = memory_copy_gbps(args.repeats)
-    bw["tcp_socket"] = socket_gbps(args.repeats)
-    bw["torch_gloo"] = torch_gbps(args.repeats)
-    bw["grpc"] = grpc_gbps(args.repeats)
-    result["torch_over_socket"] = bw["torch_gloo"] / bw["tcp_socket"]
-    result["grpc_over_socket"] = bw["grpc"] / bw["tcp_socket"]
+    result = {"kv_bytes": kv_bytes(), "ttft_s": {}}
+    measures = {"memory_copy": memory_copy_gbps, "tcp_socket": socket_gbps, "torch_gloo": torch_gbps,
+                "torch_gloo_shuffled_blocks": lambda n: torch_gbps(n, shuffled=True), "grpc": grpc_gbps}
+    rounds = result["bandwidth_gbps_rounds"] = {name: [] for name in measures}
+    for round_index in range(args.rounds):  # interleaved: the machine's load drifts
+        print(f"bandwidth round {round_index + 1}/{args.rounds} ...", flush=True)
+        for name, measure in measures.items():
+            rounds[name].append(measure(args.repeats))
+    result["bandwidth_gbps"] = {name: statistics.median(v) for name, v in rounds.items()}
+    for name in ("torch_gloo", "torch_gloo_shuffled_blocks", "grpc"):  # same-round ratios
+        result[f"{name}_over_socket"] = statistics.median(
+            a / b for a, b in zip(rounds[name], rounds["tcp_socket"], strict=True))
 
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, 40000, (TOKENS,), generator=gen).tolist()

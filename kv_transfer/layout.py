@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -67,8 +68,23 @@ class KVLayout:
 _SERIAL_ELEMENTS = 32768
 
 
-def serial_index_copy(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
-    """`dst.index_copy_(0, index, src)` in pieces small enough to stay on this thread."""
+# A run of consecutive destination rows is copied as one slice (a plain memcpy, ~5x faster
+# than index_copy_) when the runs average at least this many rows.
+_MIN_MEAN_RUN = 64
+
+
+def serial_index_copy(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor,
+                      index_np: np.ndarray | None = None) -> None:
+    """`dst.index_copy_(0, index, src)` in pieces small enough to stay on this thread.
+    With `index_np` (the same index in numpy), runs of consecutive rows go as slice copies."""
+    if index_np is not None and len(index_np) > 1:
+        breaks = np.flatnonzero(np.diff(index_np) != 1) + 1
+        if len(index_np) >= _MIN_MEAN_RUN * (len(breaks) + 1):
+            bounds = [0, *breaks.tolist(), len(index_np)]
+            for begin, end in zip(bounds[:-1], bounds[1:], strict=True):
+                first = int(index_np[begin])
+                serial_copy(dst[first : first + end - begin], src[begin:end])
+            return
     rows = max(1, _SERIAL_ELEMENTS // max(1, src[0].numel()))
     for start in range(0, src.shape[0], rows):
         dst.index_copy_(0, index[start : start + rows], src[start : start + rows])

@@ -32,6 +32,7 @@ class Reservation:
     request_id: str
     num_tokens: int
     slots: torch.Tensor  # [num_tokens] cache slot of each prompt position
+    slots_np: np.ndarray  # the same, in numpy (finds runs of consecutive slots)
     peer: str  # who may write here (a prefill worker id), "" for any
     received: np.ndarray  # [num_layers, num_tokens] bool
     on_done: Callable[[], None] | None = None
@@ -65,7 +66,7 @@ class ReservationTable:
         slots = np.asarray(block_table, dtype=np.int64)[positions // bs] * bs + positions % bs
         reservation = Reservation(
             transfer_id=next(self._ids), request_id=request_id, num_tokens=num_tokens,
-            slots=torch.from_numpy(slots).to(self._device), peer=peer,
+            slots=torch.from_numpy(slots).to(self._device), slots_np=slots, peer=peer,
             received=np.zeros((self.layout.num_layers, num_tokens), dtype=bool), on_done=on_done,
         )
         with self._lock:
@@ -100,8 +101,9 @@ class ReservationTable:
             kv = payload.view(2, num_tokens, layout.num_kv_heads, layout.head_dim)
             slots = res.slots[token_start:end]
             if self._device.type == "cpu":
-                serial_index_copy(self._flat_k[layer], slots, kv[0])
-                serial_index_copy(self._flat_v[layer], slots, kv[1])
+                slots_np = res.slots_np[token_start:end]
+                serial_index_copy(self._flat_k[layer], slots, kv[0], slots_np)
+                serial_index_copy(self._flat_v[layer], slots, kv[1], slots_np)
             else:
                 self._flat_k[layer].index_copy_(0, slots, kv[0].to(self._device))
                 self._flat_v[layer].index_copy_(0, slots, kv[1].to(self._device))

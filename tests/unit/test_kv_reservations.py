@@ -3,6 +3,8 @@ and changes no other state."""
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kv_transfer.layout import KVLayout
 from kv_transfer.reservations import ReservationTable, TransferError
@@ -102,3 +104,28 @@ def test_layout_mismatch_names_fields():
     assert LAYOUT.mismatch(LAYOUT) is None
     with pytest.raises(ValueError, match="dtype must be one of"):
         KVLayout(1, 1, 1, 1, "int8")
+
+
+@settings(max_examples=60, deadline=None)
+@given(blocks=st.permutations(list(range(12))), num_blocks=st.integers(1, 12), trim=st.integers(0, 15),
+       bounds=st.lists(st.integers(1, 191), max_size=4))
+def test_pieces_land_where_index_copy_would_put_them(blocks, num_blocks, trim, bounds):
+    """Runs of consecutive slots are copied as slices: the cache must end up exactly as a
+    plain index_copy_ of each piece leaves it, for any block table and piece boundaries."""
+    bs = 16
+    layout = KVLayout(num_layers=1, block_size=bs, num_kv_heads=2, head_dim=4, dtype="float32")
+    # one run, sorted (some runs), and shuffled tables
+    table = [list(range(12 - num_blocks, 12)), sorted(blocks[:num_blocks]), blocks[:num_blocks]][trim % 3]
+    num_tokens = max(1, num_blocks * bs - trim)
+    cache = torch.zeros(1, 2, 12, bs, 2, 4)
+    tbl = ReservationTable(layout, cache)
+    res = tbl.register("r", table, num_tokens)
+    payload = torch.randn(2, num_tokens, 2, 4)
+    cuts = sorted({0, num_tokens, *(b for b in bounds if b < num_tokens)})
+    for begin, end in zip(cuts[:-1], cuts[1:], strict=True):
+        piece = payload[:, begin:end].reshape(-1)
+        tbl.write(res.transfer_id, 0, begin, end - begin, piece)
+    expected = torch.zeros_like(cache)
+    for half in range(2):
+        expected[0, half].view(-1, 2, 4).index_copy_(0, res.slots, payload[half])
+    assert res.complete and torch.equal(cache, expected)

@@ -1,0 +1,57 @@
+"""The torch transport's own contract, over a real gloo pair (both ends in this process):
+pieces are cut to the receiver's advertised capacity, and endpoints are checked."""
+
+import threading
+
+import pytest
+import torch
+
+from kv_transfer.base import KVTransportError
+from kv_transfer.layout import KVLayout
+from kv_transfer.reservations import ReservationTable
+from kv_transfer.torch_transport import TorchTransport
+
+LAYOUT = KVLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
+
+
+def connect(sender_side: TorchTransport, endpoint: str):
+    holder = {}
+    joiner = threading.Thread(target=lambda: holder.update(sender=sender_side.connect(endpoint)))
+    joiner.start()
+    joiner.join(30)
+    return holder["sender"]
+
+
+def test_sender_cuts_pieces_to_the_receivers_capacity():
+    """A prefill worker configured for bigger pieces than the decode worker can stage must
+    still deliver every token intact (the endpoint tells it the receiver's capacity)."""
+    blocks, tokens = 12, 45
+    cache = torch.zeros(LAYOUT.num_layers, 2, blocks, LAYOUT.block_size, 2, 8)
+    table = ReservationTable(LAYOUT, cache)
+    receiver = TorchTransport("d", LAYOUT, "cpu", max_piece_tokens=8)
+    receiver.listen(table)
+    endpoint = receiver.accept("p")
+    assert endpoint.endswith("?piece_tokens=8")
+    sender = connect(TorchTransport("p", LAYOUT, "cpu", max_piece_tokens=64), endpoint)
+    try:
+        assert sender.piece_tokens == 8
+        block_table = [11, 3, 4, 5, 0, 1, 2, 9, 8, 7, 6, 10]
+        res = table.register("r", block_table, tokens, peer="p")
+        kv = torch.randn(LAYOUT.num_layers, 2, tokens, 2, 8)
+        for layer in range(LAYOUT.num_layers):
+            sender.send(res.transfer_id, layer, 0, kv[layer, 0], kv[layer, 1])
+        assert res.done.wait(30) and res.complete, res.error
+        for layer in range(LAYOUT.num_layers):
+            for half in range(2):
+                flat = cache[layer, half].view(-1, 2, 8)
+                assert torch.equal(flat[res.slots], kv[layer, half])
+    finally:
+        sender.close()
+        receiver.wait_closed("p")
+        receiver.close()
+
+
+@pytest.mark.parametrize("endpoint", ["127.0.0.1:1/p/1", "127.0.0.1:1/p/1?piece_tokens=0", "nohost/p?piece_tokens=4"])
+def test_malformed_endpoint_is_named(endpoint):
+    with pytest.raises(KVTransportError, match="malformed torch KV endpoint"):
+        TorchTransport("p", LAYOUT, "cpu", max_piece_tokens=8).connect(endpoint)
