@@ -32,6 +32,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.report import panels, write  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
 LAYERS, TOKENS, KV_HEADS, HEAD_DIM = 30, 2048, 3, 64
 
@@ -271,22 +273,15 @@ def disaggregated_ttft_s(model: str, prompt: list[int], repeats: int, transport:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    bw = result["bandwidth_gbps"]
-    ax1.bar([n.replace("_", "\n") for n in bw], list(bw.values()), color=["#999", "#999", "#2a7", "#2a7", "#2a7"])
-    ax1.set_ylabel("GB/s (median of rounds)")
-    ax1.set_title("94 MB of KV, loopback")
-    ttft = result["ttft_s_median"]
-    ax2.bar(list(ttft), list(ttft.values()), color=["#999", "#2a7", "#2a7"])
-    ax2.set_ylabel("seconds (median)")
-    ax2.set_title(f"TTFT, {TOKENS}-token prompt, one core per process")
-    fig.tight_layout()
-    fig.savefig(path)
+    with panels(path, 2, width=5.0) as [ax1, ax2]:
+        bw = result["bandwidth_gbps"]
+        ax1.bar([n.replace("_", "\n") for n in bw], list(bw.values()), color=["#999", "#999", "#2a7", "#2a7", "#2a7"])
+        ax1.set_ylabel("GB/s (median of rounds)")
+        ax1.set_title("94 MB of KV, loopback")
+        ttft = result["ttft_s_median"]
+        ax2.bar(list(ttft), list(ttft.values()), color=["#999", "#2a7", "#2a7"])
+        ax2.set_ylabel("seconds (median)")
+        ax2.set_title(f"TTFT, {TOKENS}-token prompt, one core per process")
 
 
 def main() -> None:
@@ -326,10 +321,7 @@ def main() -> None:
     base = result["ttft_s_median"]["offline_prefill"]
     result["ttft_ratio_vs_offline"] = {k: v / base for k, v in result["ttft_s_median"].items()}
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    plot(result, args.out.with_suffix(".png"))
-    print(json.dumps(result, indent=2))
+    write(result, args.out, plot)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_WORKLOAD = ROOT.parent / "shared" / "workloads" / "offline-mixed.jsonl"
+from benchmarks.report import panels, write  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
 
 
@@ -118,26 +120,19 @@ def decode_step_hf(model, batch: int, context: int, steps: int) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    names = list(result["throughput"])
-    ax1.bar(names, [result["throughput"][n]["output_tokens_per_s"] for n in names],
-            color=["#2a7" if n == "pdserve" else "#999" for n in names])
-    ax1.set_ylabel("output tokens/s")
-    ax1.set_title("offline-mixed (64 requests)")
-    step = result["decode_step"]
-    labels = ["HF forward", "pdserve forward", "pdserve engine step"]
-    values = [step["hf"]["forward_ms_median"], step["pdserve"]["forward_ms_median"],
-              step["pdserve"]["engine_step_ms_median"]]
-    ax2.bar(labels, values, color=["#999", "#2a7", "#2a7"])
-    ax2.set_ylabel("ms (median)")
-    ax2.set_title(f"decode step, batch {step['batch']}, ~{step['context']}-token contexts")
-    fig.tight_layout()
-    fig.savefig(path)
+    with panels(path, 2, width=5.0) as [ax1, ax2]:
+        names = list(result["throughput"])
+        ax1.bar(names, [result["throughput"][n]["output_tokens_per_s"] for n in names],
+                color=["#2a7" if n == "pdserve" else "#999" for n in names])
+        ax1.set_ylabel("output tokens/s")
+        ax1.set_title("offline-mixed (64 requests)")
+        step = result["decode_step"]
+        labels = ["HF forward", "pdserve forward", "pdserve engine step"]
+        values = [step["hf"]["forward_ms_median"], step["pdserve"]["forward_ms_median"],
+                  step["pdserve"]["engine_step_ms_median"]]
+        ax2.bar(labels, values, color=["#999", "#2a7", "#2a7"])
+        ax2.set_ylabel("ms (median)")
+        ax2.set_title(f"decode step, batch {step['batch']}, ~{step['context']}-token contexts")
 
 
 def main() -> None:
@@ -181,10 +176,7 @@ def main() -> None:
     step["engine_step_ratio_pdserve_over_hf"] = step["pdserve"]["engine_step_ms_median"] / hf_ms
     result["decode_step"] = step
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    plot(result, args.out.with_suffix(".png"))
-    print(json.dumps(result, indent=2))
+    write(result, args.out, plot)
 
 
 if __name__ == "__main__":

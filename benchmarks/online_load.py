@@ -22,6 +22,8 @@ import aiohttp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.report import panels, write  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
 DEFAULT_TRACE = ROOT.parent / "shared" / "workloads" / "online-poisson.jsonl"
 
@@ -123,24 +125,17 @@ async def router_overhead(url: str, model: str, decode_address: str, prefill_add
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     results = result["per_request"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for key, ax, slo in (("ttft_s", ax1, result["summary"]["slo"]["ttft_s"]),
-                         ("tpot_s", ax2, result["summary"]["slo"]["tpot_s"])):
-        values = sorted(r[key] for r in results if r[key] is not None)
-        ax.plot(values, [i / max(1, len(values)) for i in range(1, len(values) + 1)])
-        ax.axvline(slo, color="red", linestyle="--", label="SLO")
-        ax.set_xlabel(f"{key} (s)")
-        ax.set_ylabel("fraction of requests")
-        ax.legend()
-    fig.suptitle(f"online-poisson x{result['rate_scale']} ({result['summary']['requests']} requests)")
-    fig.tight_layout()
-    fig.savefig(path)
+    with panels(path, 2, width=5.0) as [ax1, ax2]:
+        for key, ax, slo in (("ttft_s", ax1, result["summary"]["slo"]["ttft_s"]),
+                             ("tpot_s", ax2, result["summary"]["slo"]["tpot_s"])):
+            values = sorted(r[key] for r in results if r[key] is not None)
+            ax.plot(values, [i / max(1, len(values)) for i in range(1, len(values) + 1)])
+            ax.axvline(slo, color="red", linestyle="--", label="SLO")
+            ax.set_xlabel(f"{key} (s)")
+            ax.set_ylabel("fraction of requests")
+            ax.legend()
+        ax1.figure.suptitle(f"online-poisson x{result['rate_scale']} ({result['summary']['requests']} requests)")
 
 
 def start_service(model: str, port: int):
@@ -222,9 +217,7 @@ def main() -> None:
     import ray
 
     ray.shutdown()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    plot(result, args.out.with_suffix(".png"))
+    write(result, args.out, plot)
     print(json.dumps({k: v for k, v in result.items() if k != "per_request"}, indent=2))
 
 

@@ -24,6 +24,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.report import write  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
 WORKLOADS = ROOT.parent / "shared" / "workloads"
 
@@ -136,8 +138,7 @@ def main() -> None:
             "predicted_attainment": prediction["attainment"], "measured_attainment": attainment}
         print(json.dumps(result["interference"][layout]), flush=True)
     ray.shutdown()
-    args.out.write_text(json.dumps(result, indent=2))
-    print(json.dumps(result, indent=2))
+    write(result, args.out)
 
 
 if __name__ == "__main__":

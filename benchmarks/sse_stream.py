@@ -29,6 +29,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.report import panels, write  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
 ENDPOINTS = ("handwritten", "fastapi_sse_dict", "fastapi_sse_event")
 
@@ -114,18 +116,11 @@ async def wait_listening(port: int, timeout_s: float = 30.0) -> None:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    rates = result["events_per_s"]
-    ax.bar([n.replace("_", "\n", 1) for n in rates], list(rates.values()), color=["#2a7", "#999", "#999"])
-    ax.set_ylabel("SSE events/s (median of rounds)")
-    ax.set_title(f"{result['concurrency']} streams x {result['events']} events")
-    fig.tight_layout()
-    fig.savefig(path)
+    with panels(path, 1, width=6.0) as (ax,):
+        rates = result["events_per_s"]
+        ax.bar([n.replace("_", "\n", 1) for n in rates], list(rates.values()), color=["#2a7", "#999", "#999"])
+        ax.set_ylabel("SSE events/s (median of rounds)")
+        ax.set_title(f"{result['concurrency']} streams x {result['events']} events")
 
 
 def main() -> None:
@@ -163,10 +158,7 @@ def main() -> None:
         "handwritten_over": {name: statistics.median(a / b for a, b in zip(rounds["handwritten"], v, strict=True))
                              for name, v in rounds.items() if name != "handwritten"},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    plot(result, args.out.with_suffix(".png"))
-    print(json.dumps(result, indent=2))
+    write(result, args.out, plot)
 
 
 if __name__ == "__main__":

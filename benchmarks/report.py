@@ -1,0 +1,33 @@
+"""What every benchmark script writes: its result as JSON, a PNG beside it, and the JSON
+on stdout; figures are headless matplotlib, one row of panels."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def write(result: dict, out: Path, plot: Callable[[dict, Path], None] | None = None) -> None:
+    """Write `result` to `out` (JSON), `plot(result, out.with_suffix(".png"))`, print it."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    if plot is not None:
+        plot(result, out.with_suffix(".png"))
+    print(json.dumps(result, indent=2))
+
+
+@contextmanager
+def panels(path: Path, count: int = 1, width: float = 5.0, height: float = 4.0):
+    """Yield `count` axes side by side; on exit lay them out and save the figure to `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, count, figsize=(width * count, height), squeeze=False)
+    yield list(axes[0])
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
