@@ -18,7 +18,7 @@ def add_commands(sub) -> None:
                                       "the planner uses. Pin it like a worker (e.g. taskset -c 0, "
                                       "OMP_NUM_THREADS=1) to profile one worker's share.")
     prof.add_argument("--out", required=True, help="profile JSON to write")
-    prof.add_argument("--repeats", type=int, default=3)
+    prof.add_argument("--repeats", type=int, default=3, help="timed runs per measured point (median; default: 3)")
     add_engine_args(prof)
     prof.set_defaults(func=_profile)
 
@@ -29,7 +29,7 @@ def add_commands(sub) -> None:
     plan.add_argument("--profile", required=True, help="JSON from `pdserve profile`")
     plan.add_argument("--ttft-slo", required=True, type=_seconds, help="e.g. 2s or 500ms")
     plan.add_argument("--tpot-slo", required=True, type=_seconds, help="e.g. 150ms")
-    plan.add_argument("--percentile", type=float, default=90.0)
+    plan.add_argument("--percentile", type=float, default=90.0, help="SLO percentile of TTFT and TPOT (default: 90)")
     plan.add_argument("--rate", type=float, default=None, help="requests/s (default: the trace's rate)")
     plan.add_argument("--trace", default=None, help=f"workload JSONL for lengths (default: {DEFAULT_TRACE.name})")
     plan.add_argument("--out", default="plan.yaml", help="plan to write (for `pdserve up/scale --plan`)")

@@ -8,6 +8,8 @@ import sys
 import threading
 import time
 
+ADDRESS_HELP = "Ray cluster address (default: the local one `pdserve up` started)"
+
 
 def add_commands(sub) -> None:
     up = sub.add_parser("up", help="start the router and the prefill and decode pools on Ray",
@@ -28,21 +30,21 @@ def add_commands(sub) -> None:
     up.set_defaults(func=_up)
 
     status = sub.add_parser("status", help="pools, workers, load and KV usage")
-    status.add_argument("--address", default=None)
+    status.add_argument("--address", default=None, help=ADDRESS_HELP)
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.set_defaults(func=_status)
 
     scale = sub.add_parser("scale", help="resize the prefill and/or decode pool")
-    scale.add_argument("--address", default=None)
-    scale.add_argument("--prefill", type=int, default=None)
-    scale.add_argument("--decode", type=int, default=None)
+    scale.add_argument("--address", default=None, help=ADDRESS_HELP)
+    scale.add_argument("--prefill", type=int, default=None, help="prefill workers wanted (pins the pool)")
+    scale.add_argument("--decode", type=int, default=None, help="decode workers wanted (pins the pool)")
     scale.add_argument("--plan", default=None, help="apply the pool sizes of a `pdserve plan` file")
-    scale.add_argument("--auto", action="store_true", help="hand both pools back to the autoscaler")
+    scale.add_argument("--auto", action="store_true", help="hand both pools back to the autoscaler (clears pins)")
     scale.add_argument("--no-wait", action="store_true", help="return before workers are ready/drained")
     scale.set_defaults(func=_scale)
 
     down = sub.add_parser("down", help="stop the service (and the local Ray that `up` started)")
-    down.add_argument("--address", default=None)
+    down.add_argument("--address", default=None, help=ADDRESS_HELP)
     down.set_defaults(func=_down)
 
 

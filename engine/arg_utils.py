@@ -26,10 +26,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     for field in dataclasses.fields(EngineConfig):
         kind = {"int": int, "float": float, "str": str}.get(str(field.type).split(" ")[0], int)
-        group.add_argument(
-            "--" + field.name.replace("_", "-"), type=kind, default=field.default,
-            help=f"{_HELP.get(field.name, '')} (default: %(default)s)",
-        )
+        text = _HELP.get(field.name, "")
+        if "(default:" not in text:  # a help text that explains its default keeps its own words
+            text += " (default: %(default)s)"
+        group.add_argument("--" + field.name.replace("_", "-"), type=kind, default=field.default, help=text)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -26,13 +26,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m router", description="pdserve router over bare workers")
     parser.add_argument("--model", default="SmolLM2-135M-Instruct", help="model (for the tokenizer)")
     parser.add_argument("--served-model-name", default=None, help="name clients use (default: --model)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--routing", default="least-loaded", choices=sorted(POLICIES))
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
+    parser.add_argument("--routing", default="least-loaded", choices=sorted(POLICIES),
+                        help="how to pick workers (default: least-loaded)")
     parser.add_argument("--prefill", action="append", default=[], help="prefill worker host:port (repeatable)")
     parser.add_argument("--decode", action="append", default=[], help="decode worker host:port (repeatable)")
-    parser.add_argument("--max-inflight-requests", type=int, default=256)
-    parser.add_argument("--kv-transport", default="torch", choices=["torch", "grpc"])
+    parser.add_argument("--max-inflight-requests", type=int, default=256,
+                        help="past this many open requests new ones get 429 with Retry-After (default: 256)")
+    parser.add_argument("--kv-transport", default="torch", choices=["torch", "grpc"],
+                        help="how prefill workers ship KV to decode workers (default: torch)")
     args = parser.parse_args(argv)
     if not args.decode:
         parser.error("at least one --decode worker is required")
