@@ -7,6 +7,8 @@ ReservationTable in another, by each transport; against
   - network limit: a plain TCP socket over loopback moving the same bytes between two
     processes (recv_into a preallocated buffer);
   - memory limit: an in-process `copy_` into a preallocated tensor.
+It also records the CPU time both processes spend per transfer (socket and torch): on a
+small machine the two ends share the cores, so CPU per byte bounds throughput.
 TTFT: real prefill and decode worker processes, each pinned to its own core (taskset,
 one thread), max_tokens=1, vs the offline engine prefilling the same prompt in one
 process pinned to one core.
@@ -67,15 +69,23 @@ def _socket_receiver(port_queue, size: int, repeats: int) -> None:
     conn, _ = server.accept()
     buffer = bytearray(size)
     view = memoryview(buffer)
+    cpu = []
     for _ in range(repeats):
-        got = 0
+        got, start = 0, time.process_time()
         while got < size:
             got += conn.recv_into(view[got:], size - got)
+        cpu.append(time.process_time() - start)
         conn.sendall(b"k")
     conn.close()
+    port_queue.put(cpu)
 
 
-def socket_gbps(repeats: int) -> float:
+def _cpu_ms(sender: list[float], receiver: list[float]) -> float:
+    """Median CPU milliseconds per transfer, both processes (all their threads) together."""
+    return 1e3 * statistics.median(a + b for a, b in zip(sender, receiver, strict=True))
+
+
+def socket_gbps(repeats: int, cpu_ms: list | None = None) -> float:
     size = kv_bytes()
     ctx = mp.get_context("spawn")
     port_queue = ctx.Queue()
@@ -83,13 +93,16 @@ def socket_gbps(repeats: int) -> float:
     receiver.start()
     sock = socket.create_connection(("127.0.0.1", port_queue.get()))
     payload = memoryview(bytearray(os.urandom(1024)) * (size // 1024))
-    times = []
+    times, cpu = [], []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         sock.sendall(payload)
         sock.recv(1)
         times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
     sock.close()
+    if cpu_ms is not None:
+        cpu_ms.append(_cpu_ms(cpu, port_queue.get()))
     receiver.join()
     return size / statistics.median(times) / 1e9
 
@@ -109,18 +122,20 @@ def _torch_receiver(conn, repeats: int, shuffled: bool) -> None:
     block_table = torch.randperm(blocks).tolist() if shuffled else list(range(blocks))
     for _ in range(repeats):
         reservation = table.register("r", block_table, TOKENS, peer="prefill")
+        start = time.process_time()
         conn.send(reservation.transfer_id)
         reservation.done.wait(120)
         assert reservation.complete, reservation.error
         table.release(reservation.transfer_id)
-        conn.send("done")
+        conn.send(time.process_time() - start)
     transport.wait_closed("prefill")  # the sender's goodbye ends the pair
     transport.close()
 
 
-def torch_gbps(repeats: int, shuffled: bool = False) -> float:
+def torch_gbps(repeats: int, shuffled: bool = False, cpu_ms: list | None = None) -> float:
     """Into consecutive cache blocks, or (`shuffled`) into blocks in random order, as a
-    long-running decode worker's free list hands them out."""
+    long-running decode worker's free list hands them out. Appends the median CPU
+    milliseconds per transfer to `cpu_ms`, if given."""
     from kv_transfer.torch_transport import TorchTransport
 
     ctx = mp.get_context("spawn")
@@ -132,14 +147,17 @@ def torch_gbps(repeats: int, shuffled: bool = False) -> float:
     sender = TorchTransport("prefill", layout(), "cpu", max_piece_tokens=TOKENS).connect(endpoint)
     k = torch.randn(TOKENS, KV_HEADS, HEAD_DIM)
     v = torch.randn(TOKENS, KV_HEADS, HEAD_DIM)
-    times = []
+    times, cpu, receiver_cpu = [], [], []
     for _ in range(repeats):
         transfer_id = parent.recv()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         for layer in range(LAYERS):
             sender.send(transfer_id, layer, 0, k, v)
-        assert parent.recv() == "done"
+        receiver_cpu.append(parent.recv())
         times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    if cpu_ms is not None:
+        cpu_ms.append(_cpu_ms(cpu, receiver_cpu))
     sender.close()
     receiver.join()
     return kv_bytes() / statistics.median(times) / 1e9
@@ -287,8 +305,8 @@ def plot(result: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
-    parser.add_argument("--repeats", type=int, default=5, help="transfers per measure (median)")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of all bandwidth measures")
+    parser.add_argument("--repeats", type=int, default=20, help="transfers per measure (median)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of all bandwidth measures")
     parser.add_argument("--ttft-repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS / "kv_transfer.json")
     args = parser.parse_args()
@@ -298,14 +316,19 @@ def main() -> None:
 
     model = str(resolve_model(args.model))
     result = {"kv_bytes": kv_bytes(), "ttft_s": {}}
-    measures = {"memory_copy": memory_copy_gbps, "tcp_socket": socket_gbps, "torch_gloo": torch_gbps,
-                "torch_gloo_shuffled_blocks": lambda n: torch_gbps(n, shuffled=True), "grpc": grpc_gbps}
+    cpu = result["cpu_ms_per_transfer_rounds"] = {"tcp_socket": [], "torch_gloo": [], "torch_gloo_shuffled_blocks": []}
+    measures = {"memory_copy": memory_copy_gbps,
+                "tcp_socket": lambda n: socket_gbps(n, cpu["tcp_socket"]),
+                "torch_gloo": lambda n: torch_gbps(n, cpu_ms=cpu["torch_gloo"]),
+                "torch_gloo_shuffled_blocks": lambda n: torch_gbps(n, True, cpu["torch_gloo_shuffled_blocks"]),
+                "grpc": grpc_gbps}
     rounds = result["bandwidth_gbps_rounds"] = {name: [] for name in measures}
     for round_index in range(args.rounds):  # interleaved: the machine's load drifts
         print(f"bandwidth round {round_index + 1}/{args.rounds} ...", flush=True)
         for name, measure in measures.items():
             rounds[name].append(measure(args.repeats))
     result["bandwidth_gbps"] = {name: statistics.median(v) for name, v in rounds.items()}
+    result["cpu_ms_per_transfer"] = {name: statistics.median(v) for name, v in cpu.items()}
     for name in ("torch_gloo", "torch_gloo_shuffled_blocks", "grpc"):  # same-round ratios
         result[f"{name}_over_socket"] = statistics.median(
             a / b for a, b in zip(rounds[name], rounds["tcp_socket"], strict=True))

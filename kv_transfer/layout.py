@@ -62,36 +62,41 @@ class KVLayout:
                    int(message.head_dim), str(message.dtype))
 
 
-# Ops on tensors larger than this many elements run on torch's OpenMP pool, whose threads
-# then spin for a while; on a transport's I/O thread that steals the core its socket needs
-# (measured: gloo receive 0.9 GB/s with parallel copies vs 2.4 GB/s with serial ones).
-_SERIAL_ELEMENTS = 32768
+# CPU copies on transport threads go through numpy. A numpy copy runs on the calling thread
+# and releases the GIL; torch's `copy_` of a large tensor runs on its OpenMP pool, whose
+# spinning threads steal the core the socket needs (measured: gloo receive 0.9 GB/s with
+# parallel copies vs 2.4 GB/s with serial ones), and torch copies cut into pieces small
+# enough to stay serial pay per-call overhead (a 3 MB strided K/V piece: 15 GB/s that way,
+# 34 GB/s through numpy).
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+# `host_scatter` copies runs of consecutive rows as slices when they average at least this
+# many rows; shorter runs go as one fancy-index assignment (a C loop over rows).
+_MIN_MEAN_RUN = 16
 
 
-# A run of consecutive destination rows is copied as one slice (a plain memcpy, ~5x faster
-# than index_copy_) when the runs average at least this many rows.
-_MIN_MEAN_RUN = 64
+def as_numpy(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor's memory, whatever its dtype (bf16 shows as int16):
+    for moving bytes, not for arithmetic."""
+    return t.view(_SAME_SIZE_INT[t.element_size()]).numpy()
 
 
-def serial_index_copy(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor,
-                      index_np: np.ndarray | None = None) -> None:
-    """`dst.index_copy_(0, index, src)` in pieces small enough to stay on this thread.
-    With `index_np` (the same index in numpy), runs of consecutive rows go as slice copies."""
-    if index_np is not None and len(index_np) > 1:
-        breaks = np.flatnonzero(np.diff(index_np) != 1) + 1
-        if len(index_np) >= _MIN_MEAN_RUN * (len(breaks) + 1):
-            bounds = [0, *breaks.tolist(), len(index_np)]
-            for begin, end in zip(bounds[:-1], bounds[1:], strict=True):
-                first = int(index_np[begin])
-                serial_copy(dst[first : first + end - begin], src[begin:end])
-            return
-    rows = max(1, _SERIAL_ELEMENTS // max(1, src[0].numel()))
-    for start in range(0, src.shape[0], rows):
-        dst.index_copy_(0, index[start : start + rows], src[start : start + rows])
+def host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """`dst.copy_(src)` for same-shape CPU tensors, on this thread."""
+    if dst.dtype != src.dtype:
+        raise TypeError(f"host_copy of {src.dtype} into {dst.dtype}: the KV layout's dtype must match")
+    np.copyto(as_numpy(dst), as_numpy(src))
 
 
-def serial_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """`dst.copy_(src)` for same-shape tensors, in pieces that stay on this thread."""
-    rows = max(1, _SERIAL_ELEMENTS // max(1, src[0].numel()))
-    for start in range(0, src.shape[0], rows):
-        dst[start : start + rows].copy_(src[start : start + rows])
+def host_scatter(dst: np.ndarray, rows: np.ndarray, src: np.ndarray) -> None:
+    """`dst[rows] = src` on this thread, rows along the first axis (`rows` distinct)."""
+    if len(rows) == 0:
+        return
+    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+    if len(rows) < _MIN_MEAN_RUN * (len(breaks) + 1):
+        dst[rows] = src
+        return
+    bounds = [0, *breaks.tolist(), len(rows)]
+    for begin, end in zip(bounds[:-1], bounds[1:], strict=True):
+        first = int(rows[begin])
+        np.copyto(dst[first : first + end - begin], src[begin:end])

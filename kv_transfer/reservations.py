@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kv_transfer.layout import KVLayout, serial_index_copy
+from kv_transfer.layout import KVLayout, as_numpy, host_scatter
 
 
 class TransferError(Exception):
@@ -46,11 +46,13 @@ class ReservationTable:
         if KVLayout.of_cache(kv_cache) != layout:
             raise ValueError(layout.mismatch(KVLayout.of_cache(kv_cache)))
         self.layout = layout
-        self._flat_k = [kv_cache[i, 0].view(-1, layout.num_kv_heads, layout.head_dim)
-                        for i in range(layout.num_layers)]
-        self._flat_v = [kv_cache[i, 1].view(-1, layout.num_kv_heads, layout.head_dim)
-                        for i in range(layout.num_layers)]
         self._device = kv_cache.device
+        if self._device.type == "cpu":  # [layer][K or V]: numpy views by block and by token
+            self._np_blocks = [[as_numpy(kv_cache[i, h]) for h in range(2)] for i in range(layout.num_layers)]
+            self._np_rows = [[b.reshape(-1, *b.shape[2:]) for b in pair] for pair in self._np_blocks]
+        else:  # [layer][K or V]: token rows
+            self._rows = [[kv_cache[i, h].view(-1, layout.num_kv_heads, layout.head_dim) for h in range(2)]
+                          for i in range(layout.num_layers)]
         self._lock = threading.Lock()
         self._by_id: dict[int, Reservation] = {}
         self._ids = itertools.count(1)
@@ -99,18 +101,32 @@ class ReservationTable:
             if res.received[layer, token_start:end].any():
                 raise TransferError(f"layer {layer} tokens [{token_start}, {end}) sent twice")
             kv = payload.view(2, num_tokens, layout.num_kv_heads, layout.head_dim)
-            slots = res.slots[token_start:end]
             if self._device.type == "cpu":
-                slots_np = res.slots_np[token_start:end]
-                serial_index_copy(self._flat_k[layer], slots, kv[0], slots_np)
-                serial_index_copy(self._flat_v[layer], slots, kv[1], slots_np)
+                self._scatter_host(layer, res.slots_np[token_start:end], as_numpy(kv))
             else:
-                self._flat_k[layer].index_copy_(0, slots, kv[0].to(self._device))
-                self._flat_v[layer].index_copy_(0, slots, kv[1].to(self._device))
+                slots = res.slots[token_start:end]
+                for half in range(2):
+                    self._rows[layer][half].index_copy_(0, slots, kv[half].to(self._device))
             res.received[layer, token_start:end] = True
             if res.received.all():
                 res.complete = True
                 self._signal(res)
+
+    def _scatter_host(self, layer: int, slots: np.ndarray, kv: np.ndarray) -> None:
+        """Copy `kv` (`[2, tokens, heads, dim]`) into cache `slots` of `layer`: whole blocks
+        as block rows (a shuffled block table costs one fancy-index copy of 12 KB rows, not
+        one of sub-KB token rows), a partial block at either end token by token."""
+        bs = self.layout.block_size
+        head = min(len(slots), -int(slots[0]) % bs)  # tokens before the first block boundary
+        whole = (len(slots) - head) // bs * bs
+        for half in range(2):
+            rows, src = self._np_rows[layer][half], kv[half]
+            host_scatter(rows, slots[:head], src[:head])
+            if whole:
+                blocks = slots[head : head + whole : bs] // bs
+                host_scatter(self._np_blocks[layer][half], blocks,
+                             src[head : head + whole].reshape(-1, bs, *src.shape[1:]))
+            host_scatter(rows, slots[head + whole :], src[head + whole :])
 
     def write_bytes(self, transfer_id: int, layer: int, token_start: int, num_tokens: int,
                     data: bytes, peer: str = "") -> None:

@@ -108,19 +108,20 @@ def test_layout_mismatch_names_fields():
 
 @settings(max_examples=60, deadline=None)
 @given(blocks=st.permutations(list(range(12))), num_blocks=st.integers(1, 12), trim=st.integers(0, 15),
-       bounds=st.lists(st.integers(1, 191), max_size=4))
-def test_pieces_land_where_index_copy_would_put_them(blocks, num_blocks, trim, bounds):
-    """Runs of consecutive slots are copied as slices: the cache must end up exactly as a
-    plain index_copy_ of each piece leaves it, for any block table and piece boundaries."""
+       bounds=st.lists(st.integers(1, 191), max_size=4), dtype=st.sampled_from(["float32", "bfloat16"]))
+def test_pieces_land_where_index_copy_would_put_them(blocks, num_blocks, trim, bounds, dtype):
+    """Pieces are copied through numpy as whole blocks, runs of slots and single tokens: the
+    cache must end up exactly as a plain index_copy_ of each piece leaves it, for any block
+    table, piece boundaries and dtype (bf16 has no numpy dtype: it moves as int16)."""
     bs = 16
-    layout = KVLayout(num_layers=1, block_size=bs, num_kv_heads=2, head_dim=4, dtype="float32")
+    layout = KVLayout(num_layers=1, block_size=bs, num_kv_heads=2, head_dim=4, dtype=dtype)
     # one run, sorted (some runs), and shuffled tables
     table = [list(range(12 - num_blocks, 12)), sorted(blocks[:num_blocks]), blocks[:num_blocks]][trim % 3]
     num_tokens = max(1, num_blocks * bs - trim)
-    cache = torch.zeros(1, 2, 12, bs, 2, 4)
+    cache = torch.zeros(1, 2, 12, bs, 2, 4, dtype=layout.torch_dtype)
     tbl = ReservationTable(layout, cache)
     res = tbl.register("r", table, num_tokens)
-    payload = torch.randn(2, num_tokens, 2, 4)
+    payload = torch.randn(2, num_tokens, 2, 4).to(layout.torch_dtype)
     cuts = sorted({0, num_tokens, *(b for b in bounds if b < num_tokens)})
     for begin, end in zip(cuts[:-1], cuts[1:], strict=True):
         piece = payload[:, begin:end].reshape(-1)
@@ -129,3 +130,15 @@ def test_pieces_land_where_index_copy_would_put_them(blocks, num_blocks, trim, b
     for half in range(2):
         expected[0, half].view(-1, 2, 4).index_copy_(0, res.slots, payload[half])
     assert res.complete and torch.equal(cache, expected)
+
+
+def test_host_copy_gathers_strided_views_and_refuses_a_dtype_change():
+    """The sender packs K/V views of a fused projection (strided rows) into its staging."""
+    from kv_transfer.layout import host_copy
+
+    fused = torch.randn(5, 3, 8).to(torch.bfloat16)
+    dst = torch.empty(5, 1, 8, dtype=torch.bfloat16)
+    host_copy(dst, fused[:, 1:2])
+    assert torch.equal(dst, fused[:, 1:2])
+    with pytest.raises(TypeError, match="bfloat16 into torch.float32"):
+        host_copy(torch.empty(5, 1, 8), fused[:, 1:2])
