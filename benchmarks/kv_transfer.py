@@ -297,7 +297,7 @@ def plot(result: dict, path: Path) -> None:
         ax1.set_ylabel("GB/s (median of rounds)")
         ax1.set_title("94 MB of KV, loopback")
         ttft = result["ttft_s_median"]
-        ax2.bar(list(ttft), list(ttft.values()), color=["#999", "#2a7", "#2a7"])
+        ax2.bar([n.replace("_", "\n") for n in ttft], list(ttft.values()), color=["#999", "#2a7", "#2a7"])
         ax2.set_ylabel("seconds (median)")
         ax2.set_title(f"TTFT, {TOKENS}-token prompt, one core per process")
 
