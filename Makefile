@@ -15,8 +15,11 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-protos: $(STAMP)
-	$(BIN)/python -m protos.build --force
+# Regenerate the committed protos/pdserve_pb2*.py with the pinned generator (protos/build.py).
+protos:
+	$(PYTHON) -m venv build/protoc-venv
+	build/protoc-venv/bin/python -m pip install -q --disable-pip-version-check grpcio-tools==1.75.1
+	build/protoc-venv/bin/python protos/build.py
 
 serve: $(STAMP)
 	$(BIN)/pdserve up

@@ -165,11 +165,11 @@ def torch_gbps(repeats: int, shuffled: bool = False, cpu_ms: list | None = None)
 
 def _grpc_sender_server(port_queue, repeats: int) -> None:
     """A minimal PrefillWorker whose Prefill stream ships the KV with GrpcStreamSender."""
-    import grpc
 
-    from kv_transfer.grpc_transport import GRPC_CHANNEL_OPTIONS, GrpcStreamSender
+    from kv_transfer.grpc_transport import GrpcStreamSender
     from protos import pdserve_pb2 as pb
     from protos import pdserve_pb2_grpc as pb_grpc
+    from protos.channel import new_server
 
     k = torch.randn(TOKENS, KV_HEADS, HEAD_DIM)
     v = torch.randn(TOKENS, KV_HEADS, HEAD_DIM)
@@ -192,7 +192,7 @@ def _grpc_sender_server(port_queue, repeats: int) -> None:
             await producer
 
     async def serve():
-        server = grpc.aio.server(options=GRPC_CHANNEL_OPTIONS)
+        server = new_server()
         pb_grpc.add_PrefillWorkerServicer_to_server(Shipper(), server)
         port_queue.put(server.add_insecure_port("127.0.0.1:0"))
         await server.start()
@@ -202,12 +202,11 @@ def _grpc_sender_server(port_queue, repeats: int) -> None:
 
 
 def grpc_gbps(repeats: int) -> float:
-    import grpc
 
-    from kv_transfer.grpc_transport import GRPC_CHANNEL_OPTIONS
     from kv_transfer.reservations import ReservationTable
     from protos import pdserve_pb2 as pb
     from protos import pdserve_pb2_grpc as pb_grpc
+    from protos.channel import open_channel
 
     ctx = mp.get_context("spawn")
     port_queue = ctx.Queue()
@@ -220,7 +219,7 @@ def grpc_gbps(repeats: int) -> float:
 
     async def run() -> list[float]:
         times = []
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=GRPC_CHANNEL_OPTIONS) as channel:
+        async with open_channel(f"127.0.0.1:{port}") as channel:
             stub = pb_grpc.PrefillWorkerStub(channel)
             for _ in range(repeats):
                 reservation = table.register("r", list(range(blocks)), TOKENS)
@@ -265,7 +264,7 @@ print("RESULT", json.dumps(times))
 
 
 def disaggregated_ttft_s(model: str, prompt: list[int], repeats: int, transport: str) -> list[float]:
-    from tests.workers import WorkerProcess, decode_stub, generate_request
+    from testkit.workers import WorkerProcess, decode_stub, generate_request
 
     args = ("--max-num-batched-tokens", str(TOKENS))
     env = {**PINNED_ENV}

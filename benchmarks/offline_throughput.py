@@ -23,7 +23,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_WORKLOAD = ROOT.parent / "shared" / "workloads" / "offline-mixed.jsonl"
-from benchmarks.report import panels, write  # noqa: E402
+from benchmarks.report import panels, repo_relative, write  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -156,7 +156,7 @@ def main() -> None:
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     pad_id = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
     llm = LLM(args.model)
-    result = {"workload": str(args.workload), "num_requests": len(requests),
+    result = {"workload": repo_relative(args.workload), "num_requests": len(requests),
               "torch_threads": torch.get_num_threads(), "throughput": {}}
 
     print("pdserve ...", flush=True)

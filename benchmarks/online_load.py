@@ -22,18 +22,11 @@ import aiohttp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.report import panels, write  # noqa: E402
+from benchmarks.report import panels, repo_relative, write  # noqa: E402
+from engine.stats import percentile  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 DEFAULT_TRACE = ROOT.parent / "shared" / "workloads" / "online-poisson.jsonl"
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]
 
 
 async def one_request(session, url: str, model: str, request: dict, start: float) -> dict:
@@ -99,7 +92,7 @@ def summarize(results: list[dict], wall_s: float, ttft_slo: float, tpot_slo: flo
 async def router_overhead(url: str, model: str, decode_address: str, prefill_addresses: list[str],
                           repeats: int) -> dict:
     """p50 latency of a 1-token request through the router vs straight to the decode worker."""
-    from tests.workers import collect, decode_stub, generate_request
+    from testkit.workers import collect, decode_stub, generate_request
 
     prompt = list(range(100, 132))
     via_router, direct = [], []
@@ -149,7 +142,7 @@ def start_service(model: str, port: int):
     if not ray.is_initialized():
         ray.init(num_cpus=4, namespace="pdserve", include_dashboard=False, object_store_memory=300_000_000,
                  logging_level="WARNING", log_to_driver=False)
-    config = load_config(ROOT / "deploy" / "local.yaml", {"model": model, "router.port": port})
+    config = load_config(None, {"model": model, "router.port": port})
     controller = create_controller(config)
     url = ray.get(controller.start.remote())
     return controller, url
@@ -169,7 +162,7 @@ def measure_overhead(port: int, repeats: int) -> dict:
     import ray
 
     from engine.model_source import resolve_model
-    from tests.models import build_tiny_model
+    from testkit.models import build_tiny_model
 
     tiny = build_tiny_model(Path(tempfile.mkdtemp()), "llama", resolve_model("SmolLM2-135M-Instruct"))
     controller, url = start_service(str(tiny), port)
@@ -207,7 +200,7 @@ def main() -> None:
         controller, url = start_service(args.model, args.port)
     try:
         results, wall = asyncio.run(replay(url, model, requests))
-        result = {"trace": str(args.trace), "rate_scale": args.rate_scale,
+        result = {"trace": repo_relative(args.trace), "rate_scale": args.rate_scale,
                   "summary": summarize(results, wall, args.ttft_slo, args.tpot_slo), "per_request": results}
     finally:
         if controller is not None:

@@ -59,7 +59,7 @@ def serve_and_replay(model: str, overrides: dict, requests: list[dict], port: in
     from cluster.config import load_config
     from cluster.controller import create_controller
 
-    config = load_config(ROOT / "deploy" / "local.yaml", {"model": model, "router.port": port, **overrides})
+    config = load_config(None, {"model": model, "router.port": port, **overrides})
     controller = create_controller(config)
     try:
         url = ray.get(controller.start.remote())

@@ -4,9 +4,18 @@ on stdout; figures are headless matplotlib, one row of panels."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def repo_relative(path: str | Path) -> str:
+    """`path` relative to the repository root (e.g. `../shared/workloads/x.jsonl`), so a
+    result names its inputs the same way on every machine."""
+    return os.path.relpath(Path(path).resolve(), ROOT)
 
 
 def write(result: dict, out: Path, plot: Callable[[dict, Path], None] | None = None) -> None:

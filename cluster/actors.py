@@ -6,7 +6,6 @@ a thread of their own (engine.async_engine)."""
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 
 
@@ -20,7 +19,7 @@ class WorkerActor:
     """One prefill or decode worker."""
 
     def __init__(self, role: str) -> None:
-        from engine.worker_server import setup_logging
+        from engine.logs import setup_logging
 
         setup_logging(role)
         self.role = role
@@ -30,8 +29,8 @@ class WorkerActor:
     async def start(self, engine_kwargs: dict, worker_kwargs: dict, cpu_affinity: list[int] | None = None) -> dict:
         from engine.config import EngineConfig
         from engine.llm_engine import LLMEngine
-        from engine.worker_config import WorkerConfig
-        from engine.worker_server import start_service
+        from worker_base.config import WorkerConfig
+        from worker_base.server import start_service
 
         if cpu_affinity:
             import torch
@@ -70,8 +69,9 @@ class RouterActor:
     """The router, reading pool membership from the controller."""
 
     def __init__(self) -> None:
-        logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
-                            format="%(asctime)s %(levelname)s router %(name)s: %(message)s")
+        from engine.logs import setup_logging
+
+        setup_logging("router")
         self.server = None
         self.task = self.watch = None
 

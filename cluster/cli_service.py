@@ -16,7 +16,8 @@ def add_commands(sub) -> None:
                         description="Start pdserve: a Ray head here (unless --address), the cluster "
                                     "controller, the pools and the router. Runs in the foreground "
                                     "(Ctrl-C stops everything) unless --detach.")
-    up.add_argument("--config", default=None, help="deployment YAML (default: deploy/local.yaml)")
+    up.add_argument("--config", default=None,
+                    help="deployment YAML (default: one machine, as documented in deploy/local.yaml)")
     up.add_argument("--address", default=None, help="Ray cluster to join (default: local, started if needed)")
     up.add_argument("--model", default=None, help="override `model`")
     up.add_argument("--host", default=None, help="override `router.host`")
@@ -76,7 +77,7 @@ def _up(args) -> int:
     from cluster.controller import controller_handle, create_controller
     from cluster.ray_cluster import connect
 
-    config = load_config(args.config or _default_config(), _overrides(args))
+    config = load_config(args.config, _overrides(args))
     needed = sum(config.pool(r).num_cpus * config.pool(r).replicas for r in ("prefill", "decode"))
     import os
 
@@ -110,13 +111,6 @@ def _up(args) -> int:
     print("stopping ...", file=sys.stderr, flush=True)
     _teardown(controller, started_ray)
     return 0
-
-
-def _default_config():
-    from pathlib import Path
-
-    local = Path(__file__).resolve().parent.parent / "deploy" / "local.yaml"
-    return local if local.exists() else None
 
 
 def _teardown(controller, stop_ray: bool) -> None:

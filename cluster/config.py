@@ -1,5 +1,9 @@
 """The deployment config (YAML, validated with pydantic at this edge) and what each
-component's frozen config is built from. A bad field is reported by its dotted path."""
+component's frozen config is built from. A bad field is reported by its dotted path.
+
+The defaults live here and describe one machine (workers on loopback); `pdserve up` with no
+`--config` uses them. `deploy/local.yaml` is a documented copy of them (a test keeps it
+equal), and `deploy/cluster-serve.yaml` is the starting point for a multi-node cluster."""
 
 from __future__ import annotations
 
@@ -65,10 +69,12 @@ class ServeConfig(BaseModel):
     served_model_name: str | None = Field(None, description="name clients send (default: model)")
     kv_transport: Literal["torch", "grpc"] = "torch"
     kv_transfer_timeout_s: float = Field(60.0, gt=0)
-    worker_host: str | None = Field(None, description="address workers listen on (default: the node's IP)")
+    worker_host: str | None = Field("127.0.0.1", description="address workers listen on; null: each node's IP "
+                                    "(what a multi-node cluster needs)")
     health_check_interval_s: float = Field(1.0, gt=0)
     drain_timeout_s: float = Field(300.0, gt=0)
-    env: dict[str, str] = Field(default_factory=dict, description="environment of worker processes")
+    env: dict[str, str] = Field(default_factory=lambda: {"GLOO_SOCKET_IFNAME": "lo"},
+                                description="environment of worker processes (default: KV pairs over loopback)")
     router: RouterSpec = Field(default_factory=RouterSpec)
     prefill: PoolSpec = Field(default_factory=PoolSpec)
     decode: PoolSpec = Field(default_factory=PoolSpec)

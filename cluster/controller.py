@@ -25,6 +25,7 @@ import ray
 
 from cluster.actors import RouterActor, WorkerActor
 from cluster.config import ServeConfig
+from engine.logs import setup_logging
 
 logger = logging.getLogger(__name__)
 NAMESPACE = "pdserve"
@@ -49,7 +50,7 @@ class WorkerRecord:
 
 class Controller:
     def __init__(self, config: dict) -> None:
-        logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s controller %(name)s: %(message)s")
+        setup_logging("controller")
         self.config = ServeConfig.model_validate(config)
         self.targets = {role: self.config.pool(role).replicas for role in ROLES}
         self.workers: dict[int, WorkerRecord] = {}

@@ -3,7 +3,7 @@
 import sys
 
 from decode_worker.service import DecodeService
-from engine.worker_server import run_worker
+from worker_base.server import run_worker
 
 if __name__ == "__main__":
     sys.exit(run_worker("decode", None, DecodeService))

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 import grpc
 
 from kv_transfer.base import thread_safe_notifier
-from kv_transfer.grpc_transport import GRPC_CHANNEL_OPTIONS
 from kv_transfer.layout import KVLayout
 from kv_transfer.reservations import TransferError
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
+from protos.channel import open_channel
 from protos.convert import sampling_to_proto
 
 
@@ -42,7 +42,7 @@ class PrefillClient:
     async def peer(self, address: str) -> PrefillPeer:
         peer = self._peers.get(address)
         if peer is None:
-            channel = grpc.aio.insecure_channel(address, options=GRPC_CHANNEL_OPTIONS)
+            channel = open_channel(address)
             stub = pb_grpc.PrefillWorkerStub(channel)
             try:
                 info = await stub.Info(pb.InfoRequest(), timeout=10)
@@ -79,7 +79,7 @@ class PrefillClient:
         try:
             start = pb.PrefillRequest(
                 request_id=request_id, prompt_token_ids=ids, sampling=sampling_to_proto(params),
-                seed=params.seed, kv_transport=transport, decode_worker_id=service.config.worker_id,
+                seed=params.seed, kv_transport=transport,
                 transfer_id=reservation.transfer_id,
                 kv_endpoint=service.torch_transport.accept(peer.worker_id) if transport == "torch" else "",
             )

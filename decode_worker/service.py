@@ -29,13 +29,13 @@ from decode_worker.prefill_client import PrefillClient
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.worker_config import WorkerConfig
-from engine.worker_service import WorkerServiceBase
 from kv_transfer.base import check_transport_name
 from kv_transfer.reservations import ReservationTable
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
-from protos.convert import check_prompt_ids, sampling_from_proto
+from protos.convert import sampling_from_proto
+from worker_base.config import WorkerConfig
+from worker_base.service import WorkerServiceBase
 
 logger = logging.getLogger(__name__)
 
@@ -137,8 +137,7 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
     def _validate(self, request: pb.GenerateRequest) -> tuple[list[int], SamplingParams, str]:
         if not request.request_id:
             raise ValueError("request_id must not be empty")
-        ids = check_prompt_ids(request.prompt_token_ids, self.engine.loaded.shape.vocab_size,
-                               self.engine.max_model_len)
+        ids = self.engine.check_prompt_ids(request.prompt_token_ids)
         params = sampling_from_proto(request.sampling)
         if params.seed is None:  # resolve here so every prefill worker samples alike
             params = dataclasses.replace(params, seed=self._seeds.getrandbits(63))

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -29,7 +27,6 @@ class AsyncEngine:
         self.lock = asyncio.Lock()
         self.listeners: dict[str, Listener] = {}
         self.after_step: list[Callable[[], None]] = []
-        self.recent_step_ms: deque[float] = deque(maxlen=64)
         self.num_finished = 0
         self._snapshot = None
         self._wake = asyncio.Event()
@@ -59,13 +56,11 @@ class AsyncEngine:
                 if not self.engine.has_unfinished_requests():
                     self._wake.clear()
                     continue
-                start = time.perf_counter()
                 try:
                     outputs = await loop.run_in_executor(self._executor, self.engine.step)
                 except Exception:
                     logger.exception("engine step failed; aborting its requests")
                     outputs = self._abort_all()
-                self.recent_step_ms.append(1000 * (time.perf_counter() - start))
                 if self.stats_fn is not None:
                     self._snapshot = self.stats_fn()
             for output in outputs:

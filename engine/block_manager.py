@@ -31,10 +31,6 @@ class BlockManager:
         """The request's blocks in position order (empty if it holds none)."""
         return self._tables.get(request_id, [])
 
-    def can_allocate(self, request_id: str, num_tokens: int) -> bool:
-        missing = self.blocks_for_tokens(num_tokens) - len(self.block_table(request_id))
-        return missing <= len(self._free)
-
     def allocate_slots(self, request_id: str, num_tokens: int) -> list[int] | None:
         """Grow the request's table to cover `num_tokens` tokens.
 

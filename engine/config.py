@@ -9,6 +9,9 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
 
 
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # what weights and KV may be stored in
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What one engine instance runs and with how much memory.
@@ -44,10 +47,8 @@ class EngineConfig:
             )
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(
-                f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}"
-            )
+        if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(DTYPE_NAMES)}; got {self.dtype!r}")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

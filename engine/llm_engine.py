@@ -14,7 +14,7 @@ from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
-from engine.tokenizer import encode_prompt
+from engine.tokenizer import check_prompt_length, check_token_ids, encode_prompt
 
 
 @dataclass
@@ -88,7 +88,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         vocab = self.loaded.shape.vocab_size
         ids = encode_prompt(self.tokenizer, prompt, vocab)
-        self.check_prompt_length(len(ids))
+        check_prompt_length(len(ids), self.max_model_len)
         bad_stop = [t for t in params.stop_token_ids if t >= vocab]
         if bad_stop:
             raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {bad_stop}")
@@ -105,12 +105,12 @@ class LLMEngine:
         self._tracked[request.request_id] = tracked
         return tracked
 
-    def check_prompt_length(self, num_tokens: int) -> None:
-        if num_tokens >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {num_tokens} tokens but max_model_len is {self.max_model_len}: "
-                f"the prompt must be at most {self.max_model_len - 1} tokens"
-            )
+    def check_prompt_ids(self, ids) -> list[int]:
+        """A prompt of token ids from elsewhere (the wire) as a list; ValueError naming what
+        is wrong with it: empty, an id outside the vocabulary, too long for max_model_len."""
+        ids = check_token_ids(ids, self.loaded.shape.vocab_size)
+        check_prompt_length(len(ids), self.max_model_len)
+        return ids
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is; frees its blocks. Unknown ids are ignored."""

@@ -9,13 +9,13 @@ from pathlib import Path
 import torch
 
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from engine.dtypes import TORCH_DTYPES
 from engine.model.llama import CausalLM, ModelShape
 from engine.model.weights import CheckpointReader
 from engine.model_source import check_architecture, resolve_model
 from engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -58,7 +58,7 @@ def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtyp
     if config.dtype == "auto":
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     else:
-        dtype = _DTYPES[config.dtype]
+        dtype = TORCH_DTYPES[config.dtype]
     return device, dtype
 
 

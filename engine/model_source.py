@@ -22,6 +22,8 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -43,18 +45,22 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
 
 
-def resolve_model(name: str) -> Path:
-    """Return a local checkpoint directory for `name` (see the module docstring)."""
+def resolve_model(name: str, convert_in_subprocess: bool = False) -> Path:
+    """Return a local checkpoint directory for `name` (see the module docstring).
+
+    `convert_in_subprocess`: a GGUF that still needs converting is converted by a child
+    process, so this one never imports torch (the router only needs the tokenizer).
+    """
     tried = []
     if name in _DEFAULT_ALIASES:
-        return _convert_gguf_cached(_embedded_gguf_path(), DEFAULT_MODEL)
+        return _convert_gguf_cached(_embedded_gguf_path(), DEFAULT_MODEL, convert_in_subprocess)
     path = Path(name).expanduser()
     if path.is_dir():
         if (path / "config.json").is_file():
             return path
         tried.append(f"directory {path} (no config.json in it)")
     elif path.is_file() and path.suffix == ".gguf":
-        return _convert_gguf_cached(path, path.stem)
+        return _convert_gguf_cached(path, path.stem, convert_in_subprocess)
     else:
         tried.append(f"local path {path} (does not exist)")
     snapshot = _hub_cache_snapshot(name)
@@ -110,7 +116,7 @@ def _hub_cache_snapshot(repo_id: str) -> Path | None:
     return path if (path / "config.json").is_file() else None
 
 
-def _convert_gguf_cached(gguf_path: Path, name: str) -> Path:
+def _convert_gguf_cached(gguf_path: Path, name: str, in_subprocess: bool = False) -> Path:
     """Dequantize `gguf_path` once into `<cache>/models/<name>-<digest>`; later calls reuse it."""
     stat = gguf_path.stat()
     digest = hashlib.sha1(f"{gguf_path.resolve()}:{stat.st_size}".encode()).hexdigest()[:10]
@@ -120,8 +126,16 @@ def _convert_gguf_cached(gguf_path: Path, name: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with file_lock(target.parent / f".{target.name}.lock"):
         if not (target / "config.json").is_file():
-            _convert_gguf(gguf_path, target)
+            (_convert_gguf_in_child if in_subprocess else _convert_gguf)(gguf_path, target)
     return target
+
+
+def _convert_gguf_in_child(gguf_path: Path, target: Path) -> None:
+    code = ("import sys; from pathlib import Path; from engine.model_source import _convert_gguf; "
+            "_convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]))")
+    result = subprocess.run([sys.executable, "-c", code, str(gguf_path), str(target)])
+    if result.returncode != 0:
+        raise ValueError(f"converting {gguf_path} failed (exit {result.returncode}); see the log above")
 
 
 @contextlib.contextmanager

@@ -15,7 +15,6 @@ one token and samples the next.
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
@@ -52,7 +51,6 @@ class Request:
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
-    arrival_time: float = field(default_factory=time.monotonic)
 
     @property
     def num_prompt_tokens(self) -> int:

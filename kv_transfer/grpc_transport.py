@@ -16,10 +16,6 @@ from kv_transfer.base import KVSender
 from kv_transfer.layout import KVLayout
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
-GRPC_CHANNEL_OPTIONS = [  # both ends: room for a chunk plus protobuf framing
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-]
 _END = object()
 
 

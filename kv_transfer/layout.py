@@ -7,8 +7,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+from engine.dtypes import TORCH_DTYPES, dtype_name
 
 
 @dataclass(frozen=True)
@@ -24,18 +23,18 @@ class KVLayout:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"KV layout {name} must be a positive integer, got {value!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"KV layout dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in TORCH_DTYPES:
+            raise ValueError(f"KV layout dtype must be one of {sorted(TORCH_DTYPES)}, got {self.dtype!r}")
 
     @classmethod
     def of_cache(cls, kv_cache: torch.Tensor) -> KVLayout:
         """Layout of a cache tensor `[layers, 2, blocks, block_size, kv_heads, head_dim]`."""
         layers, _, _, block_size, kv_heads, head_dim = kv_cache.shape
-        return cls(layers, block_size, kv_heads, head_dim, _DTYPE_NAMES[kv_cache.dtype])
+        return cls(layers, block_size, kv_heads, head_dim, dtype_name(kv_cache.dtype))
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return TORCH_DTYPES[self.dtype]
 
     @property
     def token_elements(self) -> int:

@@ -56,7 +56,6 @@ class ReservationTable:
         self._lock = threading.Lock()
         self._by_id: dict[int, Reservation] = {}
         self._ids = itertools.count(1)
-        self.num_failed = 0
 
     def register(self, request_id: str, block_table: list[int], num_tokens: int, peer: str = "",
                  on_done: Callable[[], None] | None = None) -> Reservation:
@@ -145,7 +144,6 @@ class ReservationTable:
             if res is None or res.complete or res.error is not None:
                 return
             res.error = error
-            self.num_failed += 1
             self._signal(res)
 
     def fail_peer(self, peer: str, error: str) -> None:

@@ -2,8 +2,8 @@
 
 import sys
 
-from engine.worker_server import run_worker
 from prefill_worker.service import PrefillService
+from worker_base.server import run_worker
 
 if __name__ == "__main__":
     sys.exit(run_worker("prefill", None, PrefillService))

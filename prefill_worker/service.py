@@ -23,14 +23,14 @@ from dataclasses import dataclass
 import grpc
 
 from engine.llm_engine import LLMEngine
-from engine.worker_config import WorkerConfig
-from engine.worker_service import WorkerServiceBase
 from kv_transfer.base import KVSender, check_transport_name
 from kv_transfer.grpc_transport import GrpcStreamSender
 from kv_transfer.layout import KVLayout
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
-from protos.convert import check_prompt_ids, sampling_from_proto
+from protos.convert import sampling_from_proto
+from worker_base.config import WorkerConfig
+from worker_base.service import WorkerServiceBase
 
 logger = logging.getLogger(__name__)
 
@@ -154,8 +154,7 @@ class PrefillService(WorkerServiceBase, pb_grpc.PrefillWorkerServicer):
         mismatch = self.layout.mismatch(theirs)
         if mismatch:
             raise ValueError(mismatch)
-        ids = check_prompt_ids(start.prompt_token_ids, self.engine.loaded.shape.vocab_size,
-                               self.engine.max_model_len)
+        ids = self.engine.check_prompt_ids(start.prompt_token_ids)
         params = dataclasses.replace(sampling_from_proto(start.sampling), max_tokens=1, seed=start.seed,
                                      stop_token_ids=(), ignore_eos=True)
         transport = check_transport_name(start.kv_transport or "torch")

@@ -1,12 +1,9 @@
 """Wire formats of every RPC between pdserve processes (see pdserve.proto).
 
-The generated modules are built from pdserve.proto on first import (protos.build).
+The generated modules are committed (regenerate with `make protos`; protos/build.py says
+how, and the test suite checks they match the .proto). Importing this package only imports.
 """
 
-from protos.build import generate as _generate
-
-_generate()
-
-from protos import pdserve_pb2, pdserve_pb2_grpc  # noqa: E402
+from protos import pdserve_pb2, pdserve_pb2_grpc
 
 __all__ = ["pdserve_pb2", "pdserve_pb2_grpc"]

@@ -32,15 +32,3 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingOptions:
         message.seed = params.seed
     return message
 
-
-def check_prompt_ids(ids, vocab_size: int, max_model_len: int) -> list[int]:
-    """The prompt as a list, or ValueError naming what is wrong with it."""
-    ids = list(ids)
-    if not ids:
-        raise ValueError("prompt_token_ids must not be empty")
-    bad = [t for t in ids if t >= vocab_size]
-    if bad:
-        raise ValueError(f"prompt_token_ids must be in [0, {vocab_size}); got {bad[:5]}")
-    if len(ids) >= max_model_len:
-        raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {max_model_len}")
-    return ids

@@ -21,7 +21,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from engine import stats
 from engine.sampling_params import SamplingParams
+from engine.tokenizer import apply_chat_template, encode_prompt
 from router import protocol
 from router.admin import install_admin
 from router.errors import APIError, install_handlers, validation_message
@@ -62,20 +64,17 @@ class Router:
         """What the autoscaler needs from the last `window_s` seconds of finished requests."""
         now = time.monotonic()
         recent = [r for r in self.finished if now - r[0] <= window_s]
-        ttft = sorted(r[3] for r in recent if r[3] is not None)
-        tpot = sorted(r[4] for r in recent if r[4] is not None)
-
-        def pct(values):
-            return values[min(len(values) - 1, round(percentile / 100 * (len(values) - 1)))] if values else None
-
-        return {"count": len(recent), "rate": len(recent) / window_s, "ttft_p": pct(ttft), "tpot_p": pct(tpot),
+        ttft = [r[3] for r in recent if r[3] is not None]
+        tpot = [r[4] for r in recent if r[4] is not None]
+        return {"count": len(recent), "rate": len(recent) / window_s, "ttft_p": stats.percentile(ttft, percentile),
+                "tpot_p": stats.percentile(tpot, percentile),
                 "lengths": [(r[1], max(1, r[2])) for r in recent][-500:], "inflight": self.inflight}
 
     async def start(self) -> None:
         from engine.model_source import resolve_model
         from engine.tokenizer import load_tokenizer
 
-        model_dir = await asyncio.to_thread(resolve_model, self.config.model)
+        model_dir = await asyncio.to_thread(resolve_model, self.config.model, True)
         self.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
         await self.registry.start()
 
@@ -131,8 +130,6 @@ def build_app(router: Router) -> FastAPI:
         body = await _read_body(request, protocol.ChatCompletionRequest, config.max_body_bytes)
         if router.tokenizer is None or not getattr(router.tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
-        from engine.tokenizer import apply_chat_template
-
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         ids = apply_chat_template(router.tokenizer, messages)
         return await _serve(request, router, body, ids, chat=True)
@@ -167,19 +164,10 @@ def _completion_prompt(router: Router, prompt) -> list[int]:
         if len(prompt) != 1:
             raise APIError(400, "prompt: batches are not supported; send one prompt per request", "prompt")
         prompt = prompt[0]
-    if isinstance(prompt, str):
-        if not prompt:
-            raise APIError(400, "prompt: must not be empty", "prompt")
-        if router.tokenizer is None:
-            raise APIError(400, "prompt: this model has no tokenizer; send token ids", "prompt")
-        return router.tokenizer(prompt).input_ids
-    vocab = router.registry.model.vocab_size
-    if not prompt:
-        raise APIError(400, "prompt: must not be empty", "prompt")
-    bad = [t for t in prompt if not 0 <= t < (vocab or 1 << 62)]
-    if bad:
-        raise APIError(400, f"prompt: token ids must be in [0, {vocab}); got {bad[:5]}", "prompt")
-    return list(prompt)
+    try:
+        return encode_prompt(router.tokenizer, prompt, router.registry.model.vocab_size or None)
+    except ValueError as exc:
+        raise APIError(400, str(exc), "prompt") from None
 
 
 def _sampling(body, router: Router, num_prompt_tokens: int) -> SamplingParams:
@@ -214,9 +202,9 @@ async def _serve(request: Request, router: Router, body, ids: list[int], chat: b
         router.metrics.rejected.inc()
         raise APIError(429, f"server busy: {router.inflight} requests in flight (limit "
                             f"{router.config.max_inflight_requests}); retry later", headers={"Retry-After": "1"})
-    router.pick_decode()  # 503 now, before a stream starts, if there is no decode worker
+    decode = router.pick_decode()  # 503 now, before a stream starts, if there is no decode worker
     rid = protocol.new_id("chatcmpl" if chat else "cmpl")
-    generation = Generation(router, rid, ids, params)
+    generation = Generation(router, rid, ids, params, decode)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         stream = _sse(router, generation, body.model, chat, include_usage, body.return_token_ids)
@@ -306,11 +294,9 @@ def _begin(router: Router) -> None:
 def _done(router: Router, generation: Generation) -> None:
     router.inflight -= 1
     router.metrics.inflight.dec()
-    router.metrics.observe(generation)
+    end = time.perf_counter()
+    router.metrics.observe(generation, end)
     result = generation.result
     if result.finish_reason in ("stop", "length") and result.first_token_at is not None:
-        n = result.num_completion_tokens
-        end = time.perf_counter()
-        tpot = (end - result.first_token_at) / (n - 1) if n > 1 else None
-        router.finished.append((time.monotonic(), len(generation.prompt_ids), n,
-                                result.first_token_at - generation.started, tpot))
+        router.finished.append((time.monotonic(), len(generation.prompt_ids), result.num_completion_tokens,
+                                result.first_token_at - generation.started, result.tpot_s(end)))

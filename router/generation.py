@@ -49,18 +49,29 @@ class Result:
     decode_worker: str = ""
     prefilled_by: str = ""
 
+    def tpot_s(self, end: float) -> float | None:
+        """Mean seconds per output token after the first, up to `end` (a perf_counter time);
+        None before two tokens."""
+        if self.first_token_at is None or self.num_completion_tokens < 2:
+            return None
+        return (end - self.first_token_at) / (self.num_completion_tokens - 1)
+
 
 class Generation:
-    def __init__(self, router, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def __init__(self, router, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 decode=None) -> None:
+        """`decode`: the decode worker already picked for the first attempt (None: pick one)."""
         self.router, self.request_id = router, request_id
         self.prompt_ids, self.params = prompt_ids, params
+        self._first_decode = decode
         self.result = Result()
         self.started = time.perf_counter()
 
     async def deltas(self) -> AsyncIterator[Delta]:
         tried: set[str] = set()
-        for _attempt in range(2):
-            decode = self.router.pick_decode(exclude=tried)
+        for attempt in range(2):
+            decode = self._first_decode if attempt == 0 and self._first_decode else \
+                self.router.pick_decode(exclude=tried)
             tried.add(decode.worker_id)
             try:
                 async for delta in self._stream_from(decode):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -44,17 +42,18 @@ class RouterMetrics:
             self.autoscaler_desired.labels(pool).set(summary["desired"][pool])
             self.autoscaler_correction.labels(pool).set(summary["correction"][pool])
 
-    def observe(self, generation) -> None:
+    def observe(self, generation, end: float) -> None:
+        """Record a finished request; `end` is when it finished (perf_counter)."""
         result = generation.result
         self.requests.labels(result.finish_reason or "error").inc()
         self.prompt_tokens.inc(len(generation.prompt_ids))
         self.generation_tokens.inc(result.num_completion_tokens)
-        now = time.perf_counter()
-        self.e2e.observe(now - generation.started)
+        self.e2e.observe(end - generation.started)
         if result.first_token_at is not None:
             self.ttft.observe(result.first_token_at - generation.started)
-            if result.num_completion_tokens > 1:
-                self.tpot.observe((now - result.first_token_at) / (result.num_completion_tokens - 1))
+        tpot = result.tpot_s(end)
+        if tpot is not None:
+            self.tpot.observe(tpot)
 
     def render(self) -> tuple[bytes, str]:
         for pool in ("prefill", "decode"):

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from kv_transfer.grpc_transport import GRPC_CHANNEL_OPTIONS
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
+from protos.channel import open_channel
 
 logger = logging.getLogger(__name__)
 MembershipSource = Callable[[], Awaitable[list[dict]]]
@@ -83,7 +83,7 @@ class WorkerRegistry:
             seen.add(m["worker_id"])
             view = self._views.get(m["worker_id"])
             if view is None:
-                channel = grpc.aio.insecure_channel(m["address"], options=GRPC_CHANNEL_OPTIONS)
+                channel = open_channel(m["address"])
                 stub_class = pb_grpc.DecodeWorkerStub if m["role"] == "decode" else pb_grpc.PrefillWorkerStub
                 view = WorkerView(m["role"], m["worker_id"], m["address"], m["state"], channel, stub_class(channel))
                 self._views[m["worker_id"]] = view
@@ -135,7 +135,7 @@ def static_source(prefill: list[str], decode: list[str]) -> MembershipSource:
             for address in addresses:
                 if address in known:
                     continue
-                async with grpc.aio.insecure_channel(address) as channel:
+                async with open_channel(address) as channel:
                     stub = (pb_grpc.DecodeWorkerStub if role == "decode" else pb_grpc.PrefillWorkerStub)(channel)
                     info = await stub.Info(pb.InfoRequest(), timeout=5)
                 known[address] = {"role": role, "worker_id": info.worker_id, "address": address, "state": "ready"}

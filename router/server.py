@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
-import sys
 
 import uvicorn
 
+from engine.logs import setup_logging
 from router.app import Router, RouterConfig, build_app
 from router.policies import POLICIES
 from router.registry import MembershipSource, WorkerRegistry, static_source
@@ -39,8 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.decode:
         parser.error("at least one --decode worker is required")
-    logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s router %(name)s: %(message)s")
+    setup_logging("router")
     config = RouterConfig(model=args.model, served_model_name=args.served_model_name or args.model,
                           host=args.host, port=args.port, routing=args.routing,
                           max_inflight_requests=args.max_inflight_requests, kv_transport=args.kv_transport,

@@ -18,14 +18,14 @@ def smollm2_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> Path:
-    from tests.models import build_tiny_model
+    from testkit.models import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama", smollm2_dir)
 
 
 @pytest.fixture(scope="session")
 def tiny_llama3_rope_dir(tmp_path_factory, smollm2_dir) -> Path:
-    from tests.models import build_tiny_model
+    from testkit.models import build_tiny_model
 
     rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
@@ -35,6 +35,6 @@ def tiny_llama3_rope_dir(tmp_path_factory, smollm2_dir) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory, smollm2_dir) -> Path:
-    from tests.models import build_tiny_model
+    from testkit.models import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", smollm2_dir, seed=2)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from cluster.planner.profile import Profile
 from cluster.planner.workload import SimRequest
+from engine.stats import percentile
 
 
 @dataclass
@@ -30,10 +31,8 @@ class SimResult:
     finish_s: float
 
     def percentile(self, which: str, q: float) -> float:
-        values = sorted(getattr(self, which))
-        if not values:
-            return 0.0
-        return values[min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))]
+        value = percentile(getattr(self, which), q)
+        return 0.0 if value is None else value
 
     def attainment(self, ttft_slo: float, tpot_slo: float) -> float:
         """Fraction of requests meeting both SLOs."""

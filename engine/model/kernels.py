@@ -1,8 +1,11 @@
 """The CPU paged-decode-attention kernel (csrc/paged_attention.cpp), compiled on first use.
 
 Compiled on the machine that runs it (so `-march=native` is safe) into the pdserve cache and
-reused afterwards. If no C++ compiler is available the engine falls back to a gather-based
-torch path, which is correct but slower; `decode_kernel()` returns None in that case.
+reused afterwards. The build directory is keyed by everything the binary depends on: the
+source, torch's version, the compiler flags and the CPU's instruction set, so a cache shared
+between machines (an NFS home, a copied image) never hands one CPU another's binary.
+If no C++ compiler is available the engine falls back to a gather-based torch path, which
+is correct but slower; `decode_kernel()` returns None in that case.
 Set `PDSERVE_DISABLE_CPU_KERNEL=1` to force the fallback.
 """
 
@@ -18,6 +21,34 @@ import torch
 
 logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+_CFLAGS = ("-O3", "-ffast-math", "-march=native", "-fopenmp")
+_LDFLAGS = ("-fopenmp", "-lmvec")
+
+
+def cpu_instruction_set() -> str:
+    """What `-march=native` compiles for: the CPU model and its feature flags (Linux
+    /proc/cpuinfo), or the platform's description where that file is missing."""
+    import platform
+
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    wanted = ("vendor_id", "cpu family", "model", "model name", "flags", "features", "cpu part")
+    first_cpu = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        key = key.strip().lower()
+        if key in wanted and key not in first_cpu:
+            first_cpu[key] = value.strip()
+    return repr(sorted(first_cpu.items())) if first_cpu else platform.platform()
+
+
+def build_tag(source: bytes) -> str:
+    """Key of a kernel build: source, torch version, flags and this CPU's instruction set."""
+    parts = [source, torch.__version__.encode(), " ".join(_CFLAGS + _LDFLAGS).encode(),
+             cpu_instruction_set().encode()]
+    return hashlib.sha1(b"\0".join(parts)).hexdigest()[:12]
 
 
 @functools.cache
@@ -28,7 +59,7 @@ def decode_kernel():
     from engine.model_source import cache_dir, file_lock
 
     source = _SOURCE.read_bytes()
-    tag = hashlib.sha1(source + torch.__version__.encode()).hexdigest()[:10]
+    tag = build_tag(source)
     build_dir = cache_dir() / "torch_extensions" / f"paged_attention-{tag}"
     build_dir.mkdir(parents=True, exist_ok=True)
     # Compile a copy inside the content-addressed build dir: every checkout then names the
@@ -50,8 +81,8 @@ def decode_kernel():
                 name="pdserve_paged_attention",
                 sources=[str(local_source)],
                 build_directory=str(build_dir),
-                extra_cflags=["-O3", "-ffast-math", "-march=native", "-fopenmp"],
-                extra_ldflags=["-fopenmp", "-lmvec"],
+                extra_cflags=list(_CFLAGS),
+                extra_ldflags=list(_LDFLAGS),
                 verbose=False,
             )
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the fallback

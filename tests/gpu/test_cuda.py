@@ -38,7 +38,7 @@ def test_fp32_on_cuda_matches_hf(tiny_llama_dir):
 
 @needs_two_gpus
 def test_nccl_transport_between_two_gpus(tiny_llama_dir):
-    from tests.workers import WorkerProcess, collect, decode_stub, generate_request
+    from testkit.workers import WorkerProcess, collect, decode_stub, generate_request
 
     model = str(tiny_llama_dir)
     prompt = list(range(100, 400))

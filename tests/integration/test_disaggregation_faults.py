@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.workers import WorkerProcess, collect, decode_stub, generate_request, prefill_stub, wait_idle
+from testkit.workers import WorkerProcess, collect, decode_stub, generate_request, prefill_stub, wait_idle
 
 BLOCK_BYTES = 8192  # tiny model: 2 layers x K,V x 16 tokens x 2 kv heads x 16 dims x fp32
 

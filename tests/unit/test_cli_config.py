@@ -1,12 +1,21 @@
 """Deployment config and CLI overrides: every mistake names the field."""
 
 import argparse
+from pathlib import Path
 
 import pytest
 
 from cluster.cli_planner import _seconds, replicas_from_plan
 from cluster.cli_service import _overrides
 from cluster.config import load_config
+
+
+def test_deploy_local_yaml_is_a_copy_of_the_defaults():
+    """`pdserve up` without --config uses the defaults in code (so an installed wheel needs no
+    YAML); deploy/local.yaml documents them and must say exactly the same."""
+    local = Path(__file__).resolve().parents[2] / "deploy" / "local.yaml"
+    assert load_config(local).model_dump() == load_config(None).model_dump()
+    assert load_config(None).worker_host == "127.0.0.1"  # one machine: workers on loopback
 
 
 def test_defaults_and_dotted_overrides():

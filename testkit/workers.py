@@ -13,9 +13,9 @@ from pathlib import Path
 
 import grpc
 
-from kv_transfer.grpc_transport import GRPC_CHANNEL_OPTIONS
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
+from protos.channel import open_channel
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -69,12 +69,12 @@ class WorkerProcess:
 
 
 def decode_stub(address: str) -> tuple[grpc.aio.Channel, pb_grpc.DecodeWorkerStub]:
-    channel = grpc.aio.insecure_channel(address, options=GRPC_CHANNEL_OPTIONS)
+    channel = open_channel(address)
     return channel, pb_grpc.DecodeWorkerStub(channel)
 
 
 def prefill_stub(address: str) -> tuple[grpc.aio.Channel, pb_grpc.PrefillWorkerStub]:
-    channel = grpc.aio.insecure_channel(address, options=GRPC_CHANNEL_OPTIONS)
+    channel = open_channel(address)
     return channel, pb_grpc.PrefillWorkerStub(channel)
 
 

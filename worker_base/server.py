@@ -11,20 +11,12 @@ import signal
 import sys
 from collections.abc import Callable
 
-import grpc
-
 from engine.arg_utils import add_engine_args, engine_config_from_args
-from engine.worker_config import WorkerConfig, add_worker_args, worker_config_from_args
-from kv_transfer.grpc_transport import GRPC_CHANNEL_OPTIONS
+from engine.logs import setup_logging
+from protos.channel import new_server
+from worker_base.config import WorkerConfig, add_worker_args, worker_config_from_args
 
 logger = logging.getLogger(__name__)
-
-
-def setup_logging(role: str) -> None:
-    logging.basicConfig(
-        level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"), stream=sys.stderr,
-        format=f"%(asctime)s %(levelname)s {role} %(name)s: %(message)s",
-    )
 
 
 def run_worker(role: str, argv: list[str] | None, make_service: Callable) -> int:
@@ -52,7 +44,7 @@ def run_worker(role: str, argv: list[str] | None, make_service: Callable) -> int
 async def start_service(engine, config: WorkerConfig, make_service: Callable):
     """Build the service, serve it over gRPC; returns (service, server, "host:port")."""
     service = make_service(engine, config)
-    server = grpc.aio.server(options=GRPC_CHANNEL_OPTIONS)
+    server = new_server()
     service.add_to(server)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     if port == 0:

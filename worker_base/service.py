@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
-from engine.worker_config import WorkerConfig
 from kv_transfer.layout import KVLayout
 from kv_transfer.torch_transport import TorchTransport
 from protos import pdserve_pb2 as pb
+from worker_base.config import WorkerConfig
 
 
 class WorkerServiceBase:
@@ -55,7 +55,7 @@ class WorkerServiceBase:
         scheduler, blocks = self.engine.scheduler, self.engine.block_manager
         return pb.WorkerStats(
             worker_id=self.config.worker_id, role=self.role, num_free_blocks=blocks.num_free_blocks,
-            num_total_blocks=blocks.num_blocks, recent_step_ms=list(self.aengine.recent_step_ms),
+            num_total_blocks=blocks.num_blocks,
             num_preemptions=scheduler.num_preemptions, num_finished=self.aengine.num_finished,
             draining=self.draining, **fields,
         )

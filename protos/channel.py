@@ -1,0 +1,42 @@
+"""The gRPC settings both ends of every pdserve RPC share, and the two ways to use them.
+
+Message limits leave room for a KV chunk plus protobuf framing. Keepalive pings an idle
+connection every 30 s and gives up after 10 s without an answer, so a peer that vanished
+without closing its socket (a powered-off host, a dropped route) fails its streams instead of
+hanging them; servers accept those pings (by default gRPC servers punish pings more often
+than every 5 minutes with GOAWAY).
+"""
+
+from __future__ import annotations
+
+import grpc
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+KEEPALIVE_TIME_MS = 30_000
+KEEPALIVE_TIMEOUT_MS = 10_000
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+
+
+def open_channel(address: str) -> grpc.aio.Channel:
+    """An asyncio channel to a pdserve process at host:port."""
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+def new_server() -> grpc.aio.Server:
+    """An asyncio server for a pdserve service (ports are added by the caller)."""
+    return grpc.aio.server(options=SERVER_OPTIONS)
