@@ -170,6 +170,7 @@ def _grpc_sender_server(port_queue, repeats: int) -> None:
     from protos import pdserve_pb2 as pb
     from protos import pdserve_pb2_grpc as pb_grpc
     from protos.channel import new_server
+    from testkit.workers import SECURITY
 
     k = torch.randn(TOKENS, KV_HEADS, HEAD_DIM)
     v = torch.randn(TOKENS, KV_HEADS, HEAD_DIM)
@@ -192,7 +193,7 @@ def _grpc_sender_server(port_queue, repeats: int) -> None:
             await producer
 
     async def serve():
-        server = new_server()
+        server = new_server(SECURITY)
         pb_grpc.add_PrefillWorkerServicer_to_server(Shipper(), server)
         port_queue.put(server.add_insecure_port("127.0.0.1:0"))
         await server.start()
@@ -207,6 +208,7 @@ def grpc_gbps(repeats: int) -> float:
     from protos import pdserve_pb2 as pb
     from protos import pdserve_pb2_grpc as pb_grpc
     from protos.channel import open_channel
+    from testkit.workers import SECURITY
 
     ctx = mp.get_context("spawn")
     port_queue = ctx.Queue()
@@ -219,7 +221,7 @@ def grpc_gbps(repeats: int) -> float:
 
     async def run() -> list[float]:
         times = []
-        async with open_channel(f"127.0.0.1:{port}") as channel:
+        async with open_channel(f"127.0.0.1:{port}", SECURITY) as channel:
             stub = pb_grpc.PrefillWorkerStub(channel)
             for _ in range(repeats):
                 reservation = table.register("r", list(range(blocks)), TOKENS)

@@ -51,7 +51,8 @@ def _maps_torch(pid: int) -> bool:
 def one_round(tree: Path, model: str, timeout_s: float = 120.0) -> dict:
     port = _free_port()
     started = time.perf_counter()
-    env = {**os.environ, "PDSERVE_LOG_LEVEL": "WARNING", "PYTHONPATH": str(tree)}
+    env = {**os.environ, "PDSERVE_LOG_LEVEL": "WARNING", "PYTHONPATH": str(tree),
+           "PDSERVE_CLUSTER_TOKEN": "router-startup-benchmark-token"}
     proc = subprocess.Popen([sys.executable, "-m", "router", "--model", model, "--port", str(port),
                              "--decode", "127.0.0.1:1"], cwd=tree, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, env=env)

@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from engine.config import DEFAULT_MODEL, EngineConfig
+from protos.security import TOKEN_ENV, Security, new_token, resolve_token
 
 
 class PoolSpec(BaseModel):
@@ -48,6 +49,19 @@ class RouterSpec(BaseModel):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     admin_token: str | None = Field(None, description="bearer token for /admin (or env PDSERVE_ADMIN_TOKEN)")
     request_timeout_s: float = Field(600.0, gt=0)
+    api_keys: list[str] | None = Field(None, description="bearer keys /v1 requires (or env PDSERVE_API_KEY, "
+                                                         "comma-separated); none: /v1 is open")
+    metrics_require_key: bool = Field(False, description="/metrics requires an API key too")
+    https_cert_file: str | None = Field(None, description="serve HTTPS with this certificate (PEM)")
+    https_key_file: str | None = Field(None, description="the HTTPS certificate's key (PEM)")
+
+
+class TLSSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    cert_file: str = Field(description="certificate every worker serves gRPC with (PEM; valid for the "
+                                       "addresses workers listen on)")
+    key_file: str = Field(description="its private key (PEM)")
+    ca_file: str | None = Field(None, description="CA that signed it (default: the certificate itself)")
 
 
 class AutoscalerSpec(BaseModel):
@@ -73,6 +87,10 @@ class ServeConfig(BaseModel):
                                     "(what a multi-node cluster needs)")
     health_check_interval_s: float = Field(1.0, gt=0)
     drain_timeout_s: float = Field(300.0, gt=0)
+    cluster_token: str | None = Field(None, repr=False,
+                                      description="shared secret of internal RPCs (or env PDSERVE_CLUSTER_TOKEN); "
+                                                  "`pdserve up` generates one when neither is set")
+    tls: TLSSpec | None = Field(None, description="TLS for internal gRPC (router <-> workers, decode <-> prefill)")
     env: dict[str, str] = Field(default_factory=lambda: {"GLOO_SOCKET_IFNAME": "lo"},
                                 description="environment of worker processes (default: KV pairs over loopback)")
     router: RouterSpec = Field(default_factory=RouterSpec)
@@ -105,6 +123,17 @@ class ServeConfig(BaseModel):
 
     def admin_token(self) -> str | None:
         return self.router.admin_token or os.environ.get("PDSERVE_ADMIN_TOKEN")
+
+    def security(self) -> Security:
+        """The processes' credentials; ValueError when no cluster token is set (see `with_token`)."""
+        tls = self.tls
+        return Security(resolve_token(self.cluster_token), tls.cert_file if tls else None,
+                        tls.key_file if tls else None, tls.ca_file if tls else None)
+
+    def with_token(self) -> ServeConfig:
+        """This config with a cluster token: the configured one, the environment's, or a new one."""
+        token = self.cluster_token or os.environ.get(TOKEN_ENV) or new_token()
+        return self.model_copy(update={"cluster_token": token})
 
 
 def load_config(path: str | Path | None = None, overrides: dict | None = None) -> ServeConfig:

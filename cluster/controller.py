@@ -26,6 +26,7 @@ import ray
 from cluster.actors import RouterActor, WorkerActor
 from cluster.config import ServeConfig
 from engine.logs import setup_logging
+from router.auth import api_keys_from
 
 logger = logging.getLogger(__name__)
 NAMESPACE = "pdserve"
@@ -84,7 +85,10 @@ class Controller:
                              port=cfg.router.port, routing=cfg.router.routing,
                              max_inflight_requests=cfg.router.max_inflight_requests,
                              max_body_bytes=cfg.router.max_body_bytes, admin_token=cfg.admin_token(),
-                             kv_transport=cfg.kv_transport, request_timeout_s=cfg.router.request_timeout_s)
+                             kv_transport=cfg.kv_transport, request_timeout_s=cfg.router.request_timeout_s,
+                             security=cfg.security(), api_keys=api_keys_from(cfg.router.api_keys),
+                             metrics_require_key=cfg.router.metrics_require_key,
+                             https_cert_file=cfg.router.https_cert_file, https_key_file=cfg.router.https_key_file)
         self.router = ray.remote(RouterActor).options(
             name="pdserve-router", namespace=NAMESPACE, num_cpus=0, lifetime="detached",
             runtime_env={"env_vars": dict(cfg.env)}).remote()
@@ -222,7 +226,7 @@ class Controller:
         ).remote(role)
         record = WorkerRecord(role, handle, next(self._keys))
         self.workers[record.key] = record
-        worker_kwargs = {"kv_transfer_timeout_s": cfg.kv_transfer_timeout_s}
+        worker_kwargs = {"kv_transfer_timeout_s": cfg.kv_transfer_timeout_s, "security": cfg.security()}
         if cfg.worker_host:
             worker_kwargs["host"] = cfg.worker_host
         asyncio.get_running_loop().create_task(
@@ -332,4 +336,4 @@ def controller_handle():
 def create_controller(config: ServeConfig):
     return ray.remote(Controller).options(
         name=CONTROLLER_NAME, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_concurrency=1000,
-    ).remote(config.model_dump())
+    ).remote(config.with_token().model_dump())

@@ -42,7 +42,7 @@ class PrefillClient:
     async def peer(self, address: str) -> PrefillPeer:
         peer = self._peers.get(address)
         if peer is None:
-            channel = open_channel(address)
+            channel = open_channel(address, self.service.config.security)
             stub = pb_grpc.PrefillWorkerStub(channel)
             try:
                 info = await stub.Info(pb.InfoRequest(), timeout=10)

@@ -13,8 +13,9 @@ def load_tokenizer(model_dir: Path):
     """The checkpoint's tokenizer, or None (with a warning) if it ships none.
 
     The class that `tokenizer_config.json` names is loaded directly; AutoTokenizer is the
-    fallback. (tests/integration/test_tokenizer_loading.py checks the ids match AutoTokenizer's.) The direct path matters to the router:
-    transformers' auto classes import torch (~1 s, ~250 MB), a tokenizer class does not.
+    fallback (tests/integration/test_tokenizer_loading.py checks the ids match AutoTokenizer's).
+    The direct path matters to the router: transformers' auto classes import torch (~1 s,
+    ~250 MB), a tokenizer class does not.
     Every process (router, workers, offline engine) loads through here, so all agree.
     """
     import transformers

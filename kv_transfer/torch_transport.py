@@ -22,9 +22,10 @@ the next receive before writing the current piece (gloo sends only into a posted
 60-90 ms of CPU per 94 MB instead of ~50; sending from the caller's thread without the
 sending thread was no faster.
 
-Trust: gloo ends the receiving process if a message exceeds the posted buffer, so this
-transport is for workers of one deployment (which honour the advertised capacity); the
-grpc transport validates every byte and suits untrusted peers.
+Trust: a pair forms only under a random one-time key that the decode worker hands out inside
+an authenticated Prefill RPC (see `accept`). gloo ends the receiving process if a message
+exceeds the posted buffer, so the peer that holds the key must be a worker of this deployment
+(they honour the advertised capacity); the grpc transport validates every byte.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import asyncio
 import datetime
 import logging
 import queue
+import secrets
 import threading
 from collections import defaultdict
 
@@ -98,14 +100,18 @@ class TorchTransport:
 
     def accept(self, peer_id: str) -> str:
         """Make sure a pair with prefill worker `peer_id` is forming or formed; returns the
-        endpoint to give that worker (`host:port/prefix?piece_tokens=N`). Non-blocking."""
+        endpoint to give that worker (`host:port/prefix?piece_tokens=N`). Non-blocking.
+
+        The prefix holds a one-time random pair key. It travels only inside the Prefill RPC,
+        which the cluster token authenticates, so a stranger who reaches the store cannot
+        find the pair's keys, join its group, or make this worker allocate staging for it."""
         if self._store is None or self._table is None:
             raise KVTransportError("listen() must be called before accept()")
         with self._lock:
             receiver = self._receivers.get(peer_id)
             if receiver is None or receiver.broken:
                 self._generation[peer_id] += 1
-                prefix = f"{peer_id}/{self._generation[peer_id]}"
+                prefix = f"{peer_id}/{self._generation[peer_id]}/{secrets.token_hex(16)}"
                 store = dist.PrefixStore(prefix, self._store)
                 receiver = _PairReceiver(peer_id, prefix, store, self)
                 self._receivers[peer_id] = receiver
@@ -136,14 +142,14 @@ class TorchTransport:
         address, _, prefix = rest.partition("/")
         host, _, port = address.rpartition(":")
         if not prefix or not port.isdigit() or not query.isdigit() or int(query) < 1:
-            raise KVTransportError(f"malformed torch KV endpoint {endpoint!r} "
+            raise KVTransportError(f"malformed torch KV endpoint {address!r}/... "
                                    "(expected host:port/prefix?piece_tokens=N)")
         try:
             store = dist.TCPStore(host, int(port), is_master=False,
                                   timeout=datetime.timedelta(seconds=self.timeout_s))
             group = _make_group(dist.PrefixStore(prefix, store), 1, self.device, self.timeout_s)
         except Exception as exc:  # noqa: BLE001 - any rendezvous failure
-            raise KVTransportError(f"cannot join KV pair at {endpoint}: {exc}") from exc
+            raise KVTransportError(f"cannot join KV pair at {address}: {exc}") from exc
         sender = TorchPairSender(group, store, self, min(self.max_piece_tokens, int(query)))
         with self._lock:
             self._senders[endpoint] = sender

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import grpc
 
+from protos.security import Security, TokenCheck, client_interceptors
+
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 KEEPALIVE_TIME_MS = 30_000
 KEEPALIVE_TIMEOUT_MS = 10_000
@@ -32,11 +34,23 @@ SERVER_OPTIONS = [
 ]
 
 
-def open_channel(address: str) -> grpc.aio.Channel:
-    """An asyncio channel to a pdserve process at host:port."""
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+def open_channel(address: str, security: Security) -> grpc.aio.Channel:
+    """An asyncio channel to a pdserve process at host:port; every call carries the cluster
+    token, over TLS when `security` has certificates."""
+    interceptors = client_interceptors(security.cluster_token)
+    if security.tls:
+        return grpc.aio.secure_channel(address, security.channel_credentials(), options=CHANNEL_OPTIONS,
+                                       interceptors=interceptors)
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors)
 
 
-def new_server() -> grpc.aio.Server:
-    """An asyncio server for a pdserve service (ports are added by the caller)."""
-    return grpc.aio.server(options=SERVER_OPTIONS)
+def new_server(security: Security) -> grpc.aio.Server:
+    """An asyncio server for a pdserve service that refuses calls without the cluster token."""
+    return grpc.aio.server(options=SERVER_OPTIONS, interceptors=[TokenCheck(security.cluster_token)])
+
+
+def add_port(server: grpc.aio.Server, address: str, security: Security) -> int:
+    """Listen on host:port (TLS when configured); returns the bound port, 0 on failure."""
+    if security.tls:
+        return server.add_secure_port(address, security.server_credentials())
+    return server.add_insecure_port(address)

@@ -4,12 +4,11 @@ without a configured token they are disabled."""
 
 from __future__ import annotations
 
-import hmac
-
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
-from router.errors import APIError
+from router.auth import bearer_matches, request_authorization
+from router.errors import APIError, validation_message
 
 
 class ScaleRequest(BaseModel):
@@ -20,11 +19,11 @@ class ScaleRequest(BaseModel):
 
 def install_admin(app: FastAPI, router) -> None:
     def authorize(request: Request) -> None:
+        """Before anything of the request is read: its body is parsed only once this passed."""
         token = router.config.admin_token
         if not token:
             raise APIError(403, "admin endpoints are disabled: set admin_token in the config or PDSERVE_ADMIN_TOKEN")
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+        if not bearer_matches(request_authorization(request), (token,)):
             raise APIError(401, "missing or wrong bearer token for /admin")
         if router.controller is None:
             raise APIError(503, "this router runs without a cluster controller")
@@ -35,6 +34,11 @@ def install_admin(app: FastAPI, router) -> None:
         return await router.controller.status.remote()
 
     @app.post("/admin/scale")
-    async def admin_scale(request: Request, body: ScaleRequest):
+    async def admin_scale(request: Request):
         authorize(request)
+        try:
+            body = ScaleRequest.model_validate_json(await request.body())
+        except ValidationError as exc:
+            message, param = validation_message(exc)
+            raise APIError(422, message, param) from None
         return await router.controller.scale.remote(prefill=body.prefill, decode=body.decode)

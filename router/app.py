@@ -15,7 +15,7 @@ import logging
 import time
 from collections import deque
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -24,8 +24,10 @@ from pydantic import ValidationError
 from engine import stats
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import apply_chat_template, encode_prompt
+from protos.security import Security
 from router import protocol
 from router.admin import install_admin
+from router.auth import APIKeyMiddleware
 from router.errors import APIError, install_handlers, validation_message
 from router.generation import Generation, GenerationError
 from router.metrics import RouterMetrics
@@ -47,6 +49,17 @@ class RouterConfig:
     admin_token: str | None = None
     kv_transport: str = "torch"
     request_timeout_s: float = 600.0
+    security: Security | None = None  # cluster token (and TLS) for the router's RPCs to workers
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: /v1 is open
+    metrics_require_key: bool = False  # /metrics needs an API key too
+    https_cert_file: str | None = None
+    https_key_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.security is None:
+            raise ValueError("the router needs the cluster token (security) to call its workers")
+        if bool(self.https_cert_file) != bool(self.https_key_file):
+            raise ValueError("HTTPS needs both a certificate file and a key file")
 
 
 class Router:
@@ -97,9 +110,11 @@ def build_app(router: Router) -> FastAPI:
 
     app = FastAPI(title="pdserve", version="0.1.0", lifespan=lifespan)
     app.state.router = router
+    config = router.config
+    if config.api_keys:
+        app.add_middleware(APIKeyMiddleware, keys=config.api_keys, protect_metrics=config.metrics_require_key)
     install_handlers(app)
     install_admin(app, router)
-    config = router.config
 
     @app.get("/health")
     async def health():

@@ -16,6 +16,7 @@ import grpc
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from protos.channel import open_channel
+from protos.security import Security
 
 logger = logging.getLogger(__name__)
 MembershipSource = Callable[[], Awaitable[list[dict]]]
@@ -47,8 +48,10 @@ class ModelInfo:
 
 
 class WorkerRegistry:
-    def __init__(self, source: MembershipSource, refresh_s: float = 0.5, stats_s: float = 0.25) -> None:
-        self.source, self.refresh_s, self.stats_s = source, refresh_s, stats_s
+    def __init__(self, source: MembershipSource, security: Security, refresh_s: float = 0.5,
+                 stats_s: float = 0.25) -> None:
+        self.source, self.security = source, security
+        self.refresh_s, self.stats_s = refresh_s, stats_s
         self._views: dict[str, WorkerView] = {}
         self.model = ModelInfo()
         self._tasks: list[asyncio.Task] = []
@@ -83,7 +86,7 @@ class WorkerRegistry:
             seen.add(m["worker_id"])
             view = self._views.get(m["worker_id"])
             if view is None:
-                channel = open_channel(m["address"])
+                channel = open_channel(m["address"], self.security)
                 stub_class = pb_grpc.DecodeWorkerStub if m["role"] == "decode" else pb_grpc.PrefillWorkerStub
                 view = WorkerView(m["role"], m["worker_id"], m["address"], m["state"], channel, stub_class(channel))
                 self._views[m["worker_id"]] = view
@@ -126,7 +129,7 @@ class WorkerRegistry:
                 logger.exception("registry upkeep failed")
 
 
-def static_source(prefill: list[str], decode: list[str]) -> MembershipSource:
+def static_source(prefill: list[str], decode: list[str], security: Security) -> MembershipSource:
     """Membership from fixed addresses (bare workers, no Ray): asks each for its id once."""
     known: dict[str, dict] = {}
 
@@ -135,7 +138,7 @@ def static_source(prefill: list[str], decode: list[str]) -> MembershipSource:
             for address in addresses:
                 if address in known:
                     continue
-                async with open_channel(address) as channel:
+                async with open_channel(address, security) as channel:
                     stub = (pb_grpc.DecodeWorkerStub if role == "decode" else pb_grpc.PrefillWorkerStub)(channel)
                     info = await stub.Info(pb.InfoRequest(), timeout=5)
                 known[address] = {"role": role, "worker_id": info.worker_id, "address": address, "state": "ready"}

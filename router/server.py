@@ -9,15 +9,18 @@ import os
 import uvicorn
 
 from engine.logs import setup_logging
+from protos.security import add_security_args, security_from_args
 from router.app import Router, RouterConfig, build_app
+from router.auth import API_KEY_ENV, api_keys_from
 from router.policies import POLICIES
 from router.registry import MembershipSource, WorkerRegistry, static_source
 
 
 def make_server(config: RouterConfig, source: MembershipSource, controller=None) -> uvicorn.Server:
-    app = build_app(Router(config, WorkerRegistry(source), controller))
+    app = build_app(Router(config, WorkerRegistry(source, config.security), controller))
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                               timeout_graceful_shutdown=5, access_log=False)
+                               timeout_graceful_shutdown=5, access_log=False,
+                               ssl_certfile=config.https_cert_file, ssl_keyfile=config.https_key_file)
     return uvicorn.Server(uv_config)
 
 
@@ -35,14 +38,25 @@ def main(argv: list[str] | None = None) -> int:
                         help="past this many open requests new ones get 429 with Retry-After (default: 256)")
     parser.add_argument("--kv-transport", default="torch", choices=["torch", "grpc"],
                         help="how prefill workers ship KV to decode workers (default: torch)")
+    parser.add_argument("--api-key", action="append", default=None,
+                        help=f"require `Authorization: Bearer KEY` on /v1 (repeatable; default: ${API_KEY_ENV})")
+    parser.add_argument("--https-cert", default=None, help="serve HTTPS with this certificate (PEM)")
+    parser.add_argument("--https-key", default=None, help="the HTTPS certificate's private key (PEM)")
+    add_security_args(parser)
     args = parser.parse_args(argv)
     if not args.decode:
         parser.error("at least one --decode worker is required")
+    try:
+        security = security_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     setup_logging("router")
     config = RouterConfig(model=args.model, served_model_name=args.served_model_name or args.model,
                           host=args.host, port=args.port, routing=args.routing,
                           max_inflight_requests=args.max_inflight_requests, kv_transport=args.kv_transport,
-                          admin_token=os.environ.get("PDSERVE_ADMIN_TOKEN"))
-    server = make_server(config, static_source(args.prefill, args.decode))
+                          admin_token=os.environ.get("PDSERVE_ADMIN_TOKEN"), security=security,
+                          api_keys=api_keys_from(args.api_key), https_cert_file=args.https_cert,
+                          https_key_file=args.https_key)
+    server = make_server(config, static_source(args.prefill, args.decode, security))
     asyncio.run(server.serve())
     return 0

@@ -16,8 +16,11 @@ import grpc
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from protos.channel import open_channel
+from protos.security import TOKEN_ENV, Security
 
 ROOT = Path(__file__).resolve().parent.parent
+CLUSTER_TOKEN = "testkit-cluster-token-0123456789"  # what the workers started here accept
+SECURITY = Security(CLUSTER_TOKEN)
 
 
 class WorkerProcess:
@@ -30,7 +33,7 @@ class WorkerProcess:
         self.log_path = ready.with_name("log")
         cmd = [*launcher, sys.executable, "-m", f"{role}_worker", "--model", model, "--ready-file", str(ready), *args]
         self._log = open(self.log_path, "w")
-        full_env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", **(env or {})}
+        full_env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", TOKEN_ENV: CLUSTER_TOKEN, **(env or {})}
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
         deadline = time.monotonic() + ready_timeout_s
         while not ready.exists():
@@ -68,13 +71,13 @@ class WorkerProcess:
         self.stop()
 
 
-def decode_stub(address: str) -> tuple[grpc.aio.Channel, pb_grpc.DecodeWorkerStub]:
-    channel = open_channel(address)
+def decode_stub(address: str, security: Security = SECURITY) -> tuple[grpc.aio.Channel, pb_grpc.DecodeWorkerStub]:
+    channel = open_channel(address, security)
     return channel, pb_grpc.DecodeWorkerStub(channel)
 
 
-def prefill_stub(address: str) -> tuple[grpc.aio.Channel, pb_grpc.PrefillWorkerStub]:
-    channel = open_channel(address)
+def prefill_stub(address: str, security: Security = SECURITY) -> tuple[grpc.aio.Channel, pb_grpc.PrefillWorkerStub]:
+    channel = open_channel(address, security)
     return channel, pb_grpc.PrefillWorkerStub(channel)
 
 
@@ -109,3 +112,73 @@ async def wait_idle(stub, timeout_s: float = 20.0) -> pb.WorkerStats:
         if idle or time.monotonic() > deadline:
             return stats
         await asyncio.sleep(0.1)
+
+
+async def stats_of(address: str, role: str) -> pb.WorkerStats:
+    """One Stats answer of the worker at `address` ("prefill" or "decode")."""
+    channel, stub = (decode_stub if role == "decode" else prefill_stub)(address)
+    async with channel:
+        return await stub.Stats(pb.StatsRequest())
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RouterProcess:
+    """The bare router (`python -m router`) over worker processes, its output in a log file.
+    `env` values of None remove that variable. Use as a context manager, or call `stop()`."""
+
+    def __init__(self, model: str, prefill: list[str], decode: list[str], *args: str,
+                 served_model_name: str = "tiny", env: dict | None = None, ready_timeout_s: float = 120.0) -> None:
+        import urllib.request
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(tempfile.mkdtemp()) / "router.log"
+        cmd = [sys.executable, "-m", "router", "--model", model, "--served-model-name", served_model_name,
+               "--port", str(self.port), *(f"--prefill={a}" for a in prefill), *(f"--decode={a}" for a in decode),
+               *args]
+        full_env = {**os.environ, TOKEN_ENV: CLUSTER_TOKEN, **(env or {})}
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={k: v for k, v in full_env.items() if v is not None})
+        deadline = time.monotonic() + ready_timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"router exited {self.proc.returncode}:\n{self.log()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:  # not listening yet, or 503 until a decode worker is known
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"router not ready after {ready_timeout_s}s:\n{self.log()}")
+            time.sleep(0.2)
+
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -2,9 +2,16 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# CI runs the same examples every time (no random seed, no example database replaying
+# earlier failures); local runs keep exploring with hypothesis' default profile.
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+if os.environ.get("CI", "").lower() == "true":
+    settings.load_profile("ci")
 
 
 @pytest.fixture(scope="session")

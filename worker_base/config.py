@@ -6,9 +6,12 @@ import argparse
 import uuid
 from dataclasses import dataclass, field
 
+from protos.security import Security, add_security_args, security_from_args
+
 
 @dataclass(frozen=True)
 class WorkerConfig:
+    security: Security  # the cluster token every RPC to and from this worker carries; TLS files
     host: str = "127.0.0.1"  # where the gRPC server and the KV rendezvous listen
     port: int = 0  # 0: any free port (the bound address is reported when ready)
     kv_transfer_timeout_s: float = 60.0  # deadline of one prefill leg, KV included
@@ -29,8 +32,10 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-transfer-timeout-s", type=float, default=60.0,
                        help="deadline of one prefill leg including its KV transfer (default: %(default)s)")
     group.add_argument("--ready-file", default=None, help="write host:port here once serving")
+    add_security_args(parser)
+
 
 
 def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
-    return WorkerConfig(host=args.host, port=args.port,
+    return WorkerConfig(security=security_from_args(args), host=args.host, port=args.port,
                         kv_transfer_timeout_s=args.kv_transfer_timeout_s, ready_file=args.ready_file)

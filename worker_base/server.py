@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from engine.arg_utils import add_engine_args, engine_config_from_args
 from engine.logs import setup_logging
-from protos.channel import new_server
+from protos.channel import add_port, new_server
 from worker_base.config import WorkerConfig, add_worker_args, worker_config_from_args
 
 logger = logging.getLogger(__name__)
@@ -44,9 +44,9 @@ def run_worker(role: str, argv: list[str] | None, make_service: Callable) -> int
 async def start_service(engine, config: WorkerConfig, make_service: Callable):
     """Build the service, serve it over gRPC; returns (service, server, "host:port")."""
     service = make_service(engine, config)
-    server = new_server()
+    server = new_server(config.security)
     service.add_to(server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    port = add_port(server, f"{config.host}:{config.port}", config.security)
     if port == 0:
         raise ValueError(f"cannot listen on {config.host}:{config.port}")
     await server.start()

@@ -7,13 +7,32 @@ import urllib.error
 import urllib.request
 
 
+def parse_sse(text: str) -> tuple[list[dict], bool]:
+    """A whole server-sent-event stream: (the JSON payload of each `data:` event before
+    `[DONE]`, whether `[DONE]` came). Raises on an event that is not JSON."""
+    events = []
+    for line in text.splitlines():
+        if not line.startswith("data: "):
+            continue
+        payload = line[len("data: "):]
+        if payload == "[DONE]":
+            return events, True
+        events.append(json.loads(payload))
+    return events, False
+
+
 def post(url: str, body, headers: dict | None = None, timeout: float = 120) -> tuple[int, dict, dict]:
-    """POST JSON (or raw bytes/str); returns (status, parsed body, headers)."""
+    """POST JSON (or raw bytes/str); returns (status, parsed body, headers). A streaming
+    answer (text/event-stream) is read to its end and parsed as {"events": [...], "done": bool}."""
     data = body if isinstance(body, bytes) else (body.encode() if isinstance(body, str) else json.dumps(body).encode())
     request = urllib.request.Request(url, data=data, headers={"content-type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, json.loads(response.read()), dict(response.headers)
+            raw = response.read()
+            if response.headers.get_content_type() == "text/event-stream":
+                events, done = parse_sse(raw.decode())
+                return response.status, {"events": events, "done": done}, dict(response.headers)
+            return response.status, json.loads(raw), dict(response.headers)
     except urllib.error.HTTPError as exc:
         raw = exc.read()
         try:
@@ -30,6 +49,18 @@ def get(url: str, headers: dict | None = None) -> tuple[int, str]:
             return response.status, response.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()
+
+
+def metric(url: str, sample: str) -> float:
+    """The value of one Prometheus sample of `url`/metrics, e.g.
+    `pdserve_requests_total{finish_reason="abort"}` (0 when it has not been recorded yet)."""
+    status, text = get(url + "/metrics")
+    assert status == 200, text
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name == sample:
+            return float(value)
+    return 0.0
 
 
 async def stream(session, url: str, body: dict) -> tuple[list[dict], bool]:

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
-from tests.e2e.http import get, post, stream
+from tests.e2e.http import get, metric, post, stream
 
 
 def prompts(n: int, seed: int):
@@ -170,11 +170,26 @@ FIELDS = {"model": st.sampled_from(["tiny", "other", ""]) | JSON, "prompt": JSON
 @given(body=st.one_of(st.fixed_dictionaries({}, optional=FIELDS), JSON, st.binary(max_size=64)),
        chat=st.booleans())
 def test_fuzzed_bodies_never_get_a_500(service, body, chat):
+    """Malformed: a 4xx with an OpenAI error object (never 5xx: not 500, not 502/503 either).
+    Valid: 200 and a complete response (a JSON completion, or an SSE stream when asked)."""
     raw = body if isinstance(body, bytes) else json.dumps(body)
-    status, out, _ = post(service["url"] + ("/v1/chat/completions" if chat else "/v1/completions"), raw)
-    assert status != 500 and status < 600, out
+    status, out, headers = post(service["url"] + ("/v1/chat/completions" if chat else "/v1/completions"), raw)
     if status != 200:
-        assert "error" in out and out["error"]["message"]
+        assert 400 <= status < 500, (status, out)
+        assert isinstance(out.get("error"), dict) and isinstance(out["error"]["message"], str), out
+        assert out["error"]["message"], out
+        return
+    kind = "chat.completion" if chat else "text_completion"
+    if isinstance(body, dict) and body.get("stream") is True:
+        assert headers["Content-Type"].startswith("text/event-stream"), headers
+        assert out["done"] and out["events"], out
+        assert not [e for e in out["events"] if "error" in e], out
+        assert {e["object"] for e in out["events"]} == {kind + ".chunk" if chat else kind}
+        finishes = [c["finish_reason"] for e in out["events"] for c in e["choices"] if c["finish_reason"]]
+        assert len(finishes) == 1 and finishes[0] in ("stop", "length"), out
+    else:
+        assert out["object"] == kind and out["choices"][0]["finish_reason"] in ("stop", "length"), out
+        assert out["usage"]["completion_tokens"] >= 1
 
 
 def test_still_serving_and_idle_after_everything(service):
@@ -199,28 +214,51 @@ def _wait_all_idle(controller, ray, timeout_s: float = 20) -> bool:
     return False
 
 
+def _decode_finished(controller, ray) -> int:
+    workers = ray.get(controller.status.remote())["pools"]["decode"]["workers"]
+    return sum(w["stats"]["num_finished"] for w in workers)
+
+
 def test_client_disconnect_aborts_on_both_workers(service):
+    """The request could run ~1000 tokens: it ends because the client left, not by itself
+    (the decode worker counts no finished request), and its KV blocks are freed."""
     import ray
+
+    url, controller = service["url"], service["controller"]
+    assert _wait_all_idle(controller, ray)
+    aborted, finished = metric(url, ABORTED), _decode_finished(controller, ray)
 
     async def run():
         async with aiohttp.ClientSession() as session:
-            async with session.post(service["url"] + "/v1/completions", json={
-                    "model": "tiny", "prompt": list(range(3, 300)), "max_tokens": 900, "ignore_eos": True,
+            async with session.post(url + "/v1/completions", json={
+                    "model": "tiny", "prompt": [5, 6, 7], "max_tokens": 5000, "ignore_eos": True,
                     "stream": True}) as response:
                 async for _ in response.content:
                     break  # read one event, then hang up
 
     asyncio.run(run())
-    assert _wait_all_idle(service["controller"], ray)
+    assert _wait_all_idle(controller, ray)
+    assert metric(url, ABORTED) == aborted + 1
+    assert _decode_finished(controller, ray) == finished, "the request ran to its end instead of being aborted"
 
 
 def test_health_models_metrics(service):
-    assert get(service["url"] + "/health")[0] == 200
-    status, text = get(service["url"] + "/metrics")
+    url = service["url"]
+    assert get(url + "/health")[0] == 200
+    counted = ('pdserve_requests_total{finish_reason="length"}', "pdserve_ttft_seconds_count",
+               "pdserve_tpot_seconds_count", "pdserve_e2e_seconds_count")
+    before = {name: metric(url, name) for name in counted + ("pdserve_generation_tokens_total",)}
+    for i in range(3):  # its own traffic: this test does not lean on earlier ones
+        status, out, _ = post(url + "/v1/completions", {"model": "tiny", "prompt": [5, 6, 7 + i], "max_tokens": 4,
+                                                        "ignore_eos": True})
+        assert status == 200 and out["choices"][0]["finish_reason"] == "length", out
+    for name in counted:
+        assert metric(url, name) == before[name] + 3, name
+    assert metric(url, "pdserve_generation_tokens_total") == before["pdserve_generation_tokens_total"] + 12
+    status, text = get(url + "/metrics")
     assert status == 200
-    for name in ("pdserve_ttft_seconds_bucket", "pdserve_tpot_seconds_bucket", "pdserve_e2e_seconds_bucket",
-                 'pdserve_requests_total{finish_reason="length"}', 'pdserve_pool_kv_usage{pool="decode"}',
-                 'pdserve_pool_queue_depth{pool="prefill"}'):
+    for name in ("pdserve_ttft_seconds_bucket", 'pdserve_pool_kv_usage{pool="decode"}',
+                 'pdserve_pool_queue_depth{pool="prefill"}', 'pdserve_pool_workers{pool="decode"}'):
         assert name in text
 
 

@@ -13,7 +13,7 @@ from kv_transfer.torch_transport import TorchTransport
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from protos.channel import new_server
-from testkit.workers import WorkerProcess, collect, decode_stub, generate_request, wait_idle
+from testkit.workers import SECURITY, WorkerProcess, collect, decode_stub, generate_request, wait_idle
 
 PROMPT = list(range(100, 160))
 
@@ -84,7 +84,7 @@ def test_malformed_kv_is_rejected_and_the_request_still_completes(decode, expect
         d_channel, d_stub = decode_stub(decode.address)
         async with d_channel:
             layout = KVLayout.from_proto((await d_stub.Info(pb.InfoRequest())).layout)
-            server = new_server()
+            server = new_server(SECURITY)
             pb_grpc.add_PrefillWorkerServicer_to_server(MisbehavingPrefill(layout, mode), server)
             port = server.add_insecure_port("127.0.0.1:0")
             await server.start()

@@ -55,3 +55,32 @@ def test_sender_cuts_pieces_to_the_receivers_capacity():
 def test_malformed_endpoint_is_named(endpoint):
     with pytest.raises(KVTransportError, match="malformed torch KV endpoint"):
         TorchTransport("p", LAYOUT, "cpu", max_piece_tokens=8).connect(endpoint)
+
+
+def test_a_stranger_without_the_pair_key_cannot_join():
+    """The endpoint's prefix carries a one-time random key, given out only inside the
+    authenticated Prefill RPC. A stranger who reaches the rendezvous store and knows the peer
+    id and generation (but not the key) cannot form the pair; the real peer still can."""
+    cache = torch.zeros(LAYOUT.num_layers, 2, 4, LAYOUT.block_size, 2, 8)
+    table = ReservationTable(LAYOUT, cache)
+    receiver = TorchTransport("d", LAYOUT, "cpu", max_piece_tokens=8, timeout_s=30)
+    receiver.listen(table)
+    endpoint = receiver.accept("p")
+    address, prefix = endpoint.split("?")[0].split("/", 1)
+    peer, generation, key = prefix.split("/")
+    assert (peer, generation) == ("p", "1") and len(key) == 32 and int(key, 16) >= 0
+    assert receiver.accept("q").split("?")[0].rsplit("/", 1)[1] != key  # one key per pair
+    guessed = f"{address}/p/1?piece_tokens=8"
+    with pytest.raises(KVTransportError, match="cannot join KV pair"):
+        TorchTransport("stranger", LAYOUT, "cpu", max_piece_tokens=8, timeout_s=3).connect(guessed)
+    sender = connect(TorchTransport("p", LAYOUT, "cpu", max_piece_tokens=8), endpoint)
+    try:
+        res = table.register("r", [0, 1], 6, peer="p")
+        kv = torch.randn(LAYOUT.num_layers, 2, 6, 2, 8)
+        for layer in range(LAYOUT.num_layers):
+            sender.send(res.transfer_id, layer, 0, kv[layer, 0], kv[layer, 1])
+        assert res.done.wait(30) and res.complete, res.error
+    finally:
+        sender.close()
+        receiver.wait_closed("p")
+        receiver.close()

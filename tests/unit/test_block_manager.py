@@ -41,12 +41,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert self.bm.num_free_blocks == before + held
         del self.tokens[rid]
 
-    @rule(rid=st.sampled_from("xyz"))
-    def double_free_is_harmless(self, rid):
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def double_free_of_a_live_allocation_is_harmless(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.tokens)))
+        held = list(self.bm.block_table(rid))
         before = self.bm.num_free_blocks
-        self.bm.free(rid)
-        self.bm.free(rid)
-        assert self.bm.num_free_blocks == before
+        assert self.bm.free(rid) == len(held)
+        assert self.bm.free(rid) == 0  # the second free finds nothing and returns nothing twice
+        assert self.bm.num_free_blocks == before + len(held)
+        assert all(list(self.bm._free).count(b) == 1 for b in held)
+        del self.tokens[rid]
+        self.bm.check_integrity()  # no block is in the free list twice
 
     @invariant()
     def integrity(self):
@@ -73,6 +79,17 @@ def test_integrity_check_names_the_counts():
     bm._free.append(bm.block_table("a")[0])  # corrupt: a block both free and owned
     with pytest.raises(AssertionError, match=r"both free and owned"):
         bm.check_integrity()
+
+
+def test_freeing_a_live_allocation_twice_returns_its_blocks_once():
+    bm = BlockManager(8, 4)
+    blocks = bm.allocate_slots("a", 10)
+    assert len(blocks) == 3 and bm.num_free_blocks == 5
+    assert bm.free("a") == 3 and bm.free("a") == 0
+    assert bm.num_free_blocks == 8 and sorted(bm._free) == list(range(8))
+    bm.check_integrity()
+    assert bm.allocate_slots("b", 32) is not None  # all 8 blocks, each handed out once
+    assert sorted(bm.block_table("b")) == list(range(8)) and bm.num_free_blocks == 0
 
 
 def test_rejects_bad_sizes():

@@ -68,3 +68,18 @@ def test_durations():
     assert _seconds("2s") == 2.0 and _seconds("150ms") == 0.15 and _seconds("0.5") == 0.5
     with pytest.raises(ValueError, match="not a duration"):
         _seconds("soon")
+
+
+def test_a_cluster_token_is_generated_when_none_is_given(monkeypatch):
+    monkeypatch.delenv("PDSERVE_CLUSTER_TOKEN", raising=False)
+    config = load_config(None)
+    with pytest.raises(ValueError, match="no cluster token"):
+        config.security()
+    first, second = config.with_token(), config.with_token()
+    assert len(first.cluster_token) >= 32 and first.cluster_token != second.cluster_token
+    assert first.security().cluster_token == first.cluster_token
+    assert first.cluster_token not in repr(first)  # never in a repr, so never in a log line
+    monkeypatch.setenv("PDSERVE_CLUSTER_TOKEN", "from-the-environment-0123")
+    assert config.with_token().cluster_token == "from-the-environment-0123"
+    assert load_config(None, {"cluster_token": "configured-token-0123456"}).with_token().cluster_token \
+        == "configured-token-0123456"

@@ -2,7 +2,6 @@
 monotonicity, infeasible SLOs, malformed inputs, and the autoscaler's decisions."""
 
 import json
-import math
 
 import pytest
 from hypothesis import given, settings
@@ -31,14 +30,16 @@ def test_single_prefill_server_matches_md1(rho):
     assert abs(mean_ttft - expected) / expected < 0.05
 
 
-def test_one_request_costs_exactly_its_steps():
-    work = [SimRequest(0.0, 300, 5)]
-    result = simulate(PROFILE, work, prefill=1, decode=1)
-    prefill_s = PROFILE.prefill_step_s(300, 300 * 300)
-    assert result.ttft_s[0] == pytest.approx(prefill_s + PROFILE.transfer_s(300))
-    # 4 more tokens, one decode step each, contexts 301..304
-    steps = [PROFILE.decode_step_s(1, 301 + i) for i in range(4)]
-    assert result.tpot_s[0] == pytest.approx(sum(steps) / 4)
+@pytest.mark.parametrize(("budget", "ttft"), [(512, 0.1 + 0.3 + 0.3), (100, 3 * (0.1 + 0.1) + 0.3)],
+                         ids=["one-chunk", "three-chunks"])
+def test_one_request_costs_exactly_its_steps(budget, ttft):
+    """Closed form, worked by hand: prefill steps cost 0.1 s + 1 ms/token; 300 tokens x
+    1000 B over 1 MB/s take 0.3 s to move; decode steps cost 10 ms + 2 ms/request +
+    10 us/context token, so 4 tokens at contexts 301..304 average 12 ms + 3.025 ms."""
+    profile = Profile("hand", (0.1, 0.001, 0.0), (0.01, 0.002, 1e-5), 1000, 1e6, max_num_batched_tokens=budget)
+    result = simulate(profile, [SimRequest(0.0, 300, 5)], prefill=1, decode=1)
+    assert result.ttft_s == [pytest.approx(ttft)]
+    assert result.tpot_s == [pytest.approx(0.015025)]
 
 
 def test_long_prompts_stall_colocated_decoding():
@@ -63,12 +64,19 @@ def curves():
 
 def test_plan_sizes_each_pool_for_its_own_slo(curves):
     work = poisson(1.0, 200, LENGTHS, seed=0)
-    plan = make_plan(PROFILE, SLO(2.0, 0.15), 2.0, work, curves)
-    assert plan.feasible and plan.prefill >= 1 and plan.decode >= 1
-    assert plan.prefill == math.ceil(2.0 / plan.capacity["prefill"])
-    assert plan.decode == math.ceil(2.0 / plan.capacity["decode"])
-    assert plan.predicted["disaggregated"]["attainment"] > 0.8
-    assert "disaggregated" in plan.table() and "colocated" in plan.table()
+    base = make_plan(PROFILE, SLO(2.0, 0.15), 6.0, work, curves)
+    tighter_tpot = make_plan(PROFILE, SLO(2.0, 0.06), 6.0, work, curves)
+    tighter_ttft = make_plan(PROFILE, SLO(1.5, 0.15), 6.0, work, curves)
+    # a TPOT SLO sizes only the decode pool, a TTFT SLO only the prefill pool
+    assert tighter_tpot.prefill == base.prefill and tighter_tpot.decode > base.decode
+    assert tighter_ttft.decode == base.decode and tighter_ttft.prefill > base.prefill
+    for plan in (base, tighter_tpot, tighter_ttft):
+        assert plan.feasible
+        # the whole system, simulated at the target rate with the planned counts, meets its SLOs
+        predicted = plan.predicted["disaggregated"]
+        assert predicted["attainment"] > 0.9
+        assert predicted["ttft_p"] <= plan.slo.ttft_s and predicted["tpot_p"] <= plan.slo.tpot_s
+    assert "disaggregated" in base.table() and "colocated" in base.table()
 
 
 @settings(max_examples=20, deadline=None)
