@@ -19,17 +19,22 @@ _HELP = {
     "kv_cache_bytes": "KV cache budget in bytes (default: 2 GiB on CPU, a fraction of free GPU memory)",
     "gpu_memory_utilization": "fraction of free GPU memory for the KV cache",
     "seed": "seed for requests that bring none",
+    "enable_prefix_caching": "reuse the KV of cached full blocks of earlier prompts and replies",
 }
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     for field in dataclasses.fields(EngineConfig):
-        kind = {"int": int, "float": float, "str": str}.get(str(field.type).split(" ")[0], int)
         text = _HELP.get(field.name, "")
         if "(default:" not in text:  # a help text that explains its default keeps its own words
             text += " (default: %(default)s)"
-        group.add_argument("--" + field.name.replace("_", "-"), type=kind, default=field.default, help=text)
+        flag = "--" + field.name.replace("_", "-")
+        if str(field.type) == "bool":  # --enable-prefix-caching / --no-enable-prefix-caching
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=text)
+            continue
+        kind = {"int": int, "float": float, "str": str}.get(str(field.type).split(" ")[0], int)
+        group.add_argument(flag, type=kind, default=field.default, help=text)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -32,6 +32,7 @@ class EngineConfig:
     kv_cache_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     seed: int = 0
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         _check_range("block_size", self.block_size, 1, 1024)
@@ -45,6 +46,8 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:

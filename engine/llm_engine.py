@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from engine.block_hash import root_hash
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -29,7 +30,9 @@ class LLMEngine:
         self.config = config
         self.loaded = load_model(config)
         num_blocks = num_kv_blocks(config, self.loaded)
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        salt = f"{config.model}|{self.loaded.model.dtype}"  # what the KV of a token run depends on
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                          root_hash(salt))
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                             self.loaded.max_model_len),
@@ -156,4 +159,4 @@ class LLMEngine:
         completion = CompletionOutput(0, text, list(request.output_token_ids),
                                       request.status.finish_reason)
         return RequestOutput(request.request_id, tracked.prompt, request.prompt_token_ids,
-                             [completion], new_ids, new_text)
+                             [completion], new_ids, new_text, request.num_cached_tokens)

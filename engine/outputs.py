@@ -23,6 +23,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
+    num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache, not computed
 
     @property
     def finished(self) -> bool:

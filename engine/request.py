@@ -49,6 +49,7 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in a prefix cache instead of computed
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
 

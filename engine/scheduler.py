@@ -6,6 +6,12 @@ the tokens it still has to compute (one for a decode, a chunk for a prompt); the
 requests join while budget, sequence slots and KV blocks last. When a running request
 cannot get a block, the most recently admitted running request is preempted: its blocks
 are freed and it goes back to the front of the queue to be recomputed later.
+
+Prefix caching: a waiting request joins with its longest cached run of full blocks counted
+as computed (always leaving its last token to compute, so there are logits to sample). A
+preempted request finds its own blocks again the same way. After every step the blocks
+that became full and computed are committed to the cache, so a finished request's prompt
+and reply serve the next turn of its conversation.
 """
 
 from __future__ import annotations
@@ -61,6 +67,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_cache_queries = 0  # requests admitted while prefix caching is on
+        self.num_cache_hit_tokens = 0  # prompt tokens they found cached
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -77,6 +85,7 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.requests[request.request_id] = request
         self.running.append(request)
+        self.commit(request)
         status = request.check_stop(self.config.max_model_len)
         if status is not None:
             self.finish(request.request_id, status)
@@ -101,9 +110,13 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self.block_manager.allocate_slots(request.request_id, request.num_computed_tokens + num_new) is None:
+            prefix = self._cached_prefix(request)
+            cached = len(prefix) * self.block_manager.block_size
+            num_new = min(request.num_tokens - cached, budget)
+            if self.block_manager.allocate_slots(request.request_id, cached + num_new, prefix) is None:
                 break
+            self._count_hit(request, cached)
+            request.num_computed_tokens = cached
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -119,6 +132,7 @@ class Scheduler:
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens += len(chunk.token_ids)
+            self.commit(request)
             token = sampled.get(chunk.request_id)
             if token is None:
                 continue
@@ -141,6 +155,24 @@ class Scheduler:
         request.status = status
         self.block_manager.free(request_id)
         return request
+
+    def commit(self, request: Request) -> None:
+        """Offer the request's newly full, computed blocks to the prefix cache."""
+        self.block_manager.commit(request.request_id, request.num_computed_tokens, request.token_slice)
+
+    def _cached_prefix(self, request: Request) -> list[int]:
+        """Cached blocks to start the request's table with: whole blocks of its tokens, short
+        of its last token (which must be computed to sample from)."""
+        if request.num_computed_tokens or self.block_manager.block_table(request.request_id):
+            return []
+        prefix = self.block_manager.cached_prefix(request.token_slice(0, request.num_tokens - 1))
+        return prefix
+
+    def _count_hit(self, request: Request, cached: int) -> None:
+        if request.num_preemptions == 0 and self.block_manager.enable_prefix_caching:
+            self.num_cache_queries += 1
+            self.num_cache_hit_tokens += min(cached, request.num_prompt_tokens)
+            request.num_cached_tokens = min(cached, request.num_prompt_tokens)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         needed = request.num_computed_tokens + num_new
