@@ -56,8 +56,11 @@ class PrefillClient:
             self._peers[address] = peer
         return peer
 
-    async def run(self, address: str, request_id: str, ids: list[int], params, transport: str):
-        """Prefill remotely into the request's reserved blocks; returns (first token, peer id)."""
+    async def run(self, address: str, request_id: str, ids: list[int], params, transport: str,
+                  num_cached_tokens: int = 0) -> tuple[int, str, int]:
+        """Prefill remotely into the request's reserved blocks, of which the first
+        `num_cached_tokens` positions hold KV already (shared cached blocks: only the rest is
+        shipped). Returns (first token, prefill worker id, tokens its own cache supplied)."""
         service = self.service
         try:
             peer = await self.peer(address)
@@ -73,14 +76,14 @@ class PrefillClient:
             block_table = list(service.engine.block_manager.block_table(request_id))
         reservation = service.table.register(
             request_id, block_table, len(ids), peer=peer.worker_id if transport == "torch" else "",
-            on_done=thread_safe_notifier(loop, kv_complete))
+            on_done=thread_safe_notifier(loop, kv_complete), num_cached_tokens=num_cached_tokens)
         call = peer.stub.Prefill()
         completed = False
         try:
             start = pb.PrefillRequest(
                 request_id=request_id, prompt_token_ids=ids, sampling=sampling_to_proto(params),
                 seed=params.seed, kv_transport=transport,
-                transfer_id=reservation.transfer_id,
+                transfer_id=reservation.transfer_id, num_cached_tokens=num_cached_tokens,
                 kv_endpoint=service.torch_transport.accept(peer.worker_id) if transport == "torch" else "",
             )
             service.layout.to_proto(start.layout)
@@ -92,7 +95,8 @@ class PrefillClient:
             await call.write(pb.PrefillClientMessage(ack=pb.KVAck(transfer_id=reservation.transfer_id, ok=True)))
             await call.done_writing()
             completed = True
-            return done.first_token, done.prefill_worker_id
+            service.kv_bytes_received += service.layout.kv_bytes(len(ids) - num_cached_tokens)
+            return done.first_token, done.prefill_worker_id, done.num_cached_tokens
         finally:
             service.table.release(reservation.transfer_id)
             if not completed:
@@ -105,6 +109,9 @@ class PrefillClient:
             if message is grpc.aio.EOF:
                 raise TransferError("prefill worker closed the stream before finishing")
             if message.HasField("done"):
+                if message.done.num_cached_tokens >= max(message.done.num_prompt_tokens, 1):
+                    raise TransferError(f"prefill worker claims {message.done.num_cached_tokens} cached "
+                                        f"tokens of a {message.done.num_prompt_tokens}-token prompt")
                 return message.done
             chunk = message.kv
             if chunk.transfer_id != transfer_id:

@@ -52,6 +52,8 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
         self._admissions: dict[str, asyncio.Task] = {}
         self._seeds = random.Random()
         self.num_failed_legs = 0
+        self.prefill_decisions: dict[str, int] = {}  # "where/reason" -> count
+        self.kv_bytes_received = 0
 
     # ------------------------------------------------------------ lifecycle
     def add_to(self, server: grpc.aio.Server) -> None:
@@ -77,7 +79,8 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
         return self._worker_stats(
             num_waiting=len(scheduler.waiting) + len(self._block_waiters), num_running=len(scheduler.running),
             num_waiting_for_kv=len(self.table), queued_prefill_tokens=queued,
-            num_failed_transfers=self.num_failed_legs,
+            num_failed_transfers=self.num_failed_legs, prefill_decisions=self.prefill_decisions,
+            kv_bytes_received=self.kv_bytes_received,
         )
 
     async def Abort(self, request, context) -> pb.AbortReply:
@@ -146,14 +149,19 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
 
     async def _admit(self, request_id: str, ids: list[int], params: SamplingParams,
                      addresses: list[str], transport: str) -> tuple[RequestOutput | None, str]:
-        """Prefill the request (remotely if possible) and admit it to the batch. Returns the
+        """Prefill the request where `_where_to_prefill` says (remotely, only what this
+        worker's prefix cache lacks, or here) and admit it to the batch. Returns the
         first-token output when prefilled remotely (None when prefilled locally)."""
-        if addresses:
-            await self._reserve(request_id, len(ids))
+        async with self.aengine.lock:
+            cached = self.engine.cached_prompt_tokens(ids) if addresses else 0
+        where, reason = self._where_to_prefill(len(ids), cached, bool(addresses))
+        self._decided(where, reason)
+        if where == "remote":
+            cached = await self._reserve(request_id, ids)
             for address in addresses[:2]:
                 try:
-                    first_token, prefill_id = await asyncio.wait_for(
-                        self.prefill.run(address, request_id, ids, params, transport),
+                    first_token, prefill_id, prefill_cached = await asyncio.wait_for(
+                        self.prefill.run(address, request_id, ids, params, transport, cached),
                         timeout=self.config.kv_transfer_timeout_s)
                 except asyncio.CancelledError:
                     raise
@@ -163,24 +171,41 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
                                    address, exc or type(exc).__name__)
                     continue
                 async with self.aengine.lock:
-                    output = self.engine.add_prefilled_request(request_id, ids, params, first_token)
+                    output = self.engine.add_prefilled_request(request_id, ids, params, first_token,
+                                                               prefill_cached)
                 self.aengine.wake()
                 self._serve_block_waiters()  # it may have finished at once, freeing blocks
                 return output, prefill_id
             logger.warning("request_id=%s prefilling locally after remote failures", request_id)
+            self._decided("local", "remote_failed")
         async with self.aengine.lock:
             self.engine.release_blocks(request_id)
             self.engine.add_request(request_id, ids, params, detokenize=False)
         self.aengine.wake()
         return None, "local"
 
-    async def _reserve(self, request_id: str, num_tokens: int) -> None:
-        """Reserve blocks for the prompt, waiting (FIFO) until enough are free."""
+    def _where_to_prefill(self, num_tokens: int, cached: int, have_prefill: bool) -> tuple[str, str]:
+        """("remote" | "local", why). Local when no prefill worker was offered, or when what
+        this worker's cache lacks is at most `local_prefill_max_tokens` (a short tail, e.g. a
+        chat's next user turn: a round trip to the prefill pool would cost more than it saves)."""
+        if not have_prefill:
+            return "local", "no_prefill_worker"
+        if num_tokens - cached <= self.config.local_prefill_max_tokens:
+            return "local", "few_uncached_tokens"
+        return "remote", "many_uncached_tokens"
+
+    def _decided(self, where: str, reason: str) -> None:
+        key = f"{where}/{reason}"
+        self.prefill_decisions[key] = self.prefill_decisions.get(key, 0) + 1
+
+    async def _reserve(self, request_id: str, ids: list[int]) -> int:
+        """Reserve blocks for the prompt (sharing its cached prefix), waiting (FIFO) until
+        enough are free; returns how many leading tokens the shared blocks hold."""
         future = asyncio.get_running_loop().create_future()
-        self._block_waiters.append((request_id, num_tokens, future))
+        self._block_waiters.append((request_id, ids, future))
         await self._try_reserve()
         try:
-            await future
+            return await future
         except asyncio.CancelledError:
             self._block_waiters = deque(w for w in self._block_waiters if w[2] is not future)
             raise
@@ -193,18 +218,19 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
         async with self.aengine.lock:
             engine = self.engine
             while self._block_waiters:
-                request_id, num_tokens, future = self._block_waiters[0]
+                request_id, ids, future = self._block_waiters[0]
                 busy = len(engine.scheduler.requests) + len(self.table)
-                needed = engine.block_manager.blocks_for_tokens(num_tokens)
+                needed = engine.block_manager.blocks_for_tokens(len(ids))
                 # keep a block per running request free for its next token
                 headroom = engine.block_manager.num_free_blocks - needed - len(engine.scheduler.running)
                 if busy >= engine.config.max_num_seqs or (headroom < 0 and busy > 0):
                     return
-                if engine.reserve_blocks(request_id, num_tokens) is None:
+                cached = engine.reserve_blocks(request_id, ids)
+                if cached is None:
                     return
                 self._block_waiters.popleft()
                 if not future.done():
-                    future.set_result(None)
+                    future.set_result(cached)
                 else:  # cancelled while we reserved
                     engine.release_blocks(request_id)
 
@@ -223,4 +249,5 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
     @staticmethod
     def _chunk(output: RequestOutput, prefilled_by: str) -> pb.GenerateChunk:
         return pb.GenerateChunk(token_ids=output.new_token_ids, finish_reason=output.finish_reason or "",
-                                num_prompt_tokens=len(output.prompt_token_ids), prefilled_by=prefilled_by)
+                                num_prompt_tokens=len(output.prompt_token_ids), prefilled_by=prefilled_by,
+                                num_cached_tokens=output.num_cached_tokens if prefilled_by else 0)

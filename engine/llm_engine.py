@@ -58,12 +58,14 @@ class LLMEngine:
         self._track(request, prompt, detokenize)
         return request
 
-    def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int],
-                              params: SamplingParams, first_token: int) -> RequestOutput:
+    def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                              first_token: int, num_cached_tokens: int = 0) -> RequestOutput:
         """Admit a request prefilled elsewhere: its prompt KV is already in the blocks
         reserved under `request_id` (`reserve_blocks`), and its first token is known.
+        `num_cached_tokens`: prompt tokens its prefill did not compute (found in a cache).
         Returns the output for that first token (finished if it ends the request)."""
         request = self._make_request(request_id, prompt_token_ids, params)
+        request.num_cached_tokens = num_cached_tokens
         if len(self.block_manager.block_table(request_id)) * self.config.block_size < request.num_prompt_tokens:
             raise ValueError(f"request {request_id!r} has no blocks reserved for its prompt")
         request.output_token_ids.append(first_token)
@@ -71,11 +73,21 @@ class LLMEngine:
         self.scheduler.add_running(request)
         return self._after_token(tracked, first_token)
 
-    def reserve_blocks(self, request_id: str, num_tokens: int) -> list[int] | None:
-        """Reserve blocks for `num_tokens` of a request not yet added (None if too few free)."""
+    def cached_prompt_tokens(self, prompt_token_ids: list[int]) -> int:
+        """How many leading prompt tokens this engine's prefix cache holds (whole blocks,
+        always short of the last token, which must be computed to sample)."""
+        return len(self.block_manager.cached_prefix(prompt_token_ids[:-1])) * self.config.block_size
+
+    def reserve_blocks(self, request_id: str, prompt_token_ids: list[int]) -> int | None:
+        """Reserve blocks for the prompt of a request not yet added, starting with the
+        cached blocks of its prefix (shared). Returns how many leading tokens those hold
+        (their KV need not be shipped), or None, changing nothing, if too few are free."""
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in use")
-        return self.block_manager.allocate_slots(request_id, num_tokens)
+        prefix = self.block_manager.cached_prefix(prompt_token_ids[:-1])
+        if self.block_manager.allocate_slots(request_id, len(prompt_token_ids), prefix) is None:
+            return None
+        return len(prefix) * self.config.block_size
 
     def release_blocks(self, request_id: str) -> None:
         """Free a reservation made with `reserve_blocks` (for a request never added)."""

@@ -43,7 +43,12 @@ class KVLayout:
 
     @property
     def token_bytes(self) -> int:
+        """Bytes of one token's K and V in one layer."""
         return self.token_elements * torch.empty((), dtype=self.torch_dtype).element_size()
+
+    def kv_bytes(self, num_tokens: int) -> int:
+        """Bytes of the K and V of `num_tokens` tokens in every layer: what a transfer moves."""
+        return num_tokens * self.token_bytes * self.num_layers
 
     def mismatch(self, other: KVLayout) -> str | None:
         """None if equal, else a message naming every field that differs."""

@@ -39,6 +39,7 @@ class Reservation:
     error: str | None = None
     complete: bool = False
     done: threading.Event = field(default_factory=threading.Event)
+    num_cached_tokens: int = 0  # positions [0, this) the receiver holds already
 
 
 class ReservationTable:
@@ -58,18 +59,24 @@ class ReservationTable:
         self._ids = itertools.count(1)
 
     def register(self, request_id: str, block_table: list[int], num_tokens: int, peer: str = "",
-                 on_done: Callable[[], None] | None = None) -> Reservation:
-        """Open a reservation for prompt positions [0, num_tokens) of `block_table`."""
+                 on_done: Callable[[], None] | None = None, num_cached_tokens: int = 0) -> Reservation:
+        """Open a reservation for prompt positions [num_cached_tokens, num_tokens) of
+        `block_table`; the positions before are held already (cached blocks shared with
+        other requests) and a piece that touches them is rejected, so they stay intact."""
         bs = self.layout.block_size
         if len(block_table) * bs < num_tokens:
             raise ValueError(f"{len(block_table)} blocks cannot hold {num_tokens} tokens")
+        if not 0 <= num_cached_tokens < num_tokens:
+            raise ValueError(f"{num_cached_tokens} cached tokens of a {num_tokens}-token prompt")
         positions = np.arange(num_tokens)
         slots = np.asarray(block_table, dtype=np.int64)[positions // bs] * bs + positions % bs
         reservation = Reservation(
             transfer_id=next(self._ids), request_id=request_id, num_tokens=num_tokens,
             slots=torch.from_numpy(slots).to(self._device), slots_np=slots, peer=peer,
             received=np.zeros((self.layout.num_layers, num_tokens), dtype=bool), on_done=on_done,
+            num_cached_tokens=num_cached_tokens,
         )
+        reservation.received[:, :num_cached_tokens] = True
         with self._lock:
             self._by_id[reservation.transfer_id] = reservation
         return reservation
@@ -98,7 +105,8 @@ class ReservationTable:
                     f"payload of {payload.numel()} {payload.dtype} elements; expected {expected} "
                     f"{layout.torch_dtype} for {num_tokens} tokens")
             if res.received[layer, token_start:end].any():
-                raise TransferError(f"layer {layer} tokens [{token_start}, {end}) sent twice")
+                raise TransferError(f"layer {layer} tokens [{token_start}, {end}) sent twice or held "
+                                    f"already (the first {res.num_cached_tokens} are cached here)")
             kv = payload.view(2, num_tokens, layout.num_kv_heads, layout.head_dim)
             if self._device.type == "cpu":
                 self._scatter_host(layer, res.slots_np[token_start:end], as_numpy(kv))

@@ -11,6 +11,12 @@ computed (layer-wise pipelining); the sender copies it into its own staging buff
 the request's cache blocks here are freed as soon as its prompt is computed, not held for
 the transfer. The first token is sampled here at output position 0 with the seed the
 decode worker chose, so it is the token the decode worker would have sampled.
+
+Prefix caching on both sides: the decode worker says how many leading prompt tokens it
+holds already (`num_cached_tokens`, whole blocks); this worker computes only what its own
+prefix cache lacks, and ships only positions the decode worker lacks: computed chunks
+clipped to start there, plus, per layer, the span between the two caches read straight
+from this worker's cache.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import logging
 from dataclasses import dataclass
 
 import grpc
+import torch
 
 from engine.llm_engine import LLMEngine
 from kv_transfer.base import KVSender, check_transport_name
@@ -39,6 +46,8 @@ logger = logging.getLogger(__name__)
 class _Shipment:
     transfer_id: int
     sender: KVSender
+    skip_below: int = 0  # the decode worker holds positions [0, skip_below)
+    layers_started: set = dataclasses.field(default_factory=set)
     error: str | None = None
 
 
@@ -49,6 +58,7 @@ class PrefillService(WorkerServiceBase, pb_grpc.PrefillWorkerServicer):
         super().__init__(engine, config)
         self._shipments: dict[str, _Shipment] = {}
         self._streams: dict[str, asyncio.Task] = {}
+        self.kv_bytes_sent = 0
         engine.runner.kv_hook = self._ship
 
     def add_to(self, server: grpc.aio.Server) -> None:
@@ -59,7 +69,7 @@ class PrefillService(WorkerServiceBase, pb_grpc.PrefillWorkerServicer):
         scheduler = self.engine.scheduler
         queued = sum(r.num_tokens - r.num_computed_tokens for r in scheduler.requests.values())
         return self._worker_stats(num_waiting=len(scheduler.waiting), num_running=len(self._streams),
-                                  queued_prefill_tokens=queued)
+                                  queued_prefill_tokens=queued, kv_bytes_sent=self.kv_bytes_sent)
 
     async def Abort(self, request, context) -> pb.AbortReply:
         task = self._streams.get(request.request_id)
@@ -101,7 +111,7 @@ class PrefillService(WorkerServiceBase, pb_grpc.PrefillWorkerServicer):
                 raise _LegFailed(f"KV transport: {exc}") from exc
         else:
             sender = GrpcStreamSender(loop, self.layout, _kv_chunk)
-        shipment = _Shipment(start.transfer_id, sender)
+        shipment = _Shipment(start.transfer_id, sender, skip_below=start.num_cached_tokens)
         first_token: asyncio.Future = loop.create_future()
         self._shipments[request_id] = shipment
         self.aengine.listeners[request_id] = lambda out: _resolve(first_token, out)
@@ -121,7 +131,8 @@ class PrefillService(WorkerServiceBase, pb_grpc.PrefillWorkerServicer):
                 raise _LegFailed(f"KV transfer failed: {shipment.error}")
             yield pb.PrefillServerMessage(done=pb.PrefillDone(
                 first_token=output.token_ids[0], num_prompt_tokens=len(ids),
-                prefill_worker_id=self.config.worker_id))
+                prefill_worker_id=self.config.worker_id, num_cached_tokens=output.num_cached_tokens))
+            self.kv_bytes_sent += self.layout.kv_bytes(len(ids) - start.num_cached_tokens)
             ack = await asyncio.wait_for(anext(aiter(request_iterator), None),
                                          timeout=self.config.kv_transfer_timeout_s)
             if ack is None or not ack.HasField("ack") or not ack.ack.ok:
@@ -138,14 +149,33 @@ class PrefillService(WorkerServiceBase, pb_grpc.PrefillWorkerServicer):
             self.engine.abort_request(request_id)
 
     def _ship(self, request_id: str, layer: int, token_start: int, k, v) -> None:
-        """Engine-thread hook: hand one layer of one chunk to the request's sender."""
+        """Engine-thread hook: hand one layer of one chunk to the request's sender, only the
+        positions the decode worker lacks; before a layer's first chunk, the positions this
+        worker's cache supplied (not computed here) that the decode worker lacks too."""
         shipment = self._shipments.get(request_id)
         if shipment is None or shipment.error:
             return
         try:
-            shipment.sender.send(shipment.transfer_id, layer, token_start, k, v)
+            skip = shipment.skip_below
+            if layer not in shipment.layers_started:
+                shipment.layers_started.add(layer)
+                if token_start > skip:  # [skip, token_start) came from this worker's cache
+                    cached_k, cached_v = self._cached_kv(request_id, layer, skip, token_start)
+                    shipment.sender.send(shipment.transfer_id, layer, skip, cached_k, cached_v)
+            if token_start + k.shape[0] > skip:
+                cut = max(skip - token_start, 0)
+                shipment.sender.send(shipment.transfer_id, layer, token_start + cut, k[cut:], v[cut:])
         except Exception as exc:  # noqa: BLE001 - never break the engine step for one request
             shipment.error = str(exc)
+
+    def _cached_kv(self, request_id: str, layer: int, start: int, end: int):
+        """K and V `[end - start, kv_heads, head_dim]` of positions [start, end) from the cache."""
+        bs, table = self.layout.block_size, self.engine.block_manager.block_table(request_id)
+        positions = torch.arange(start, end)
+        slots = torch.as_tensor(table, dtype=torch.int64)[positions // bs] * bs + positions % bs
+        cache = self.engine.runner.kv_cache[layer]
+        rows = [cache[half].view(-1, self.layout.num_kv_heads, self.layout.head_dim) for half in range(2)]
+        return rows[0][slots.to(cache.device)], rows[1][slots.to(cache.device)]
 
     def _validate(self, start: pb.PrefillRequest):
         if not start.request_id:
@@ -155,6 +185,9 @@ class PrefillService(WorkerServiceBase, pb_grpc.PrefillWorkerServicer):
         if mismatch:
             raise ValueError(mismatch)
         ids = self.engine.check_prompt_ids(start.prompt_token_ids)
+        if start.num_cached_tokens >= len(ids) or start.num_cached_tokens % self.layout.block_size:
+            raise ValueError(f"num_cached_tokens {start.num_cached_tokens} must be whole blocks of "
+                             f"{self.layout.block_size} short of the prompt's {len(ids)} tokens")
         params = dataclasses.replace(sampling_from_proto(start.sampling), max_tokens=1, seed=start.seed,
                                      stop_token_ids=(), ignore_eos=True)
         transport = check_transport_name(start.kv_transport or "torch")

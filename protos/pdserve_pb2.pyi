@@ -67,7 +67,14 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "num_waiting", "num_running", "num_waiting_for_kv", "queued_prefill_tokens", "num_free_blocks", "num_total_blocks", "num_preemptions", "num_finished", "num_failed_transfers", "draining")
+    __slots__ = ("worker_id", "role", "num_waiting", "num_running", "num_waiting_for_kv", "queued_prefill_tokens", "num_free_blocks", "num_total_blocks", "num_preemptions", "num_finished", "num_failed_transfers", "draining", "prefix_cache_queries", "prefix_cache_hit_tokens", "num_cached_blocks", "kv_bytes_received", "kv_bytes_sent", "prefill_decisions")
+    class PrefillDecisionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +87,12 @@ class WorkerStats(_message.Message):
     NUM_FINISHED_FIELD_NUMBER: _ClassVar[int]
     NUM_FAILED_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_DECISIONS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_waiting: int
@@ -92,7 +105,13 @@ class WorkerStats(_message.Message):
     num_finished: int
     num_failed_transfers: int
     draining: bool
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting_for_kv: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_failed_transfers: _Optional[int] = ..., draining: bool = ...) -> None: ...
+    prefix_cache_queries: int
+    prefix_cache_hit_tokens: int
+    num_cached_blocks: int
+    kv_bytes_received: int
+    kv_bytes_sent: int
+    prefill_decisions: _containers.ScalarMap[str, int]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting_for_kv: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_failed_transfers: _Optional[int] = ..., draining: bool = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., prefill_decisions: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -121,19 +140,21 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., prefill_addresses: _Optional[_Iterable[str]] = ..., kv_transport: _Optional[str] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "num_prompt_tokens", "prefilled_by")
+    __slots__ = ("token_ids", "finish_reason", "num_prompt_tokens", "prefilled_by", "num_cached_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILLED_BY_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     num_prompt_tokens: int
     prefilled_by: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., prefilled_by: _Optional[str] = ...) -> None: ...
+    num_cached_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., prefilled_by: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "seed", "layout", "kv_transport", "kv_endpoint", "transfer_id")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "seed", "layout", "kv_transport", "kv_endpoint", "transfer_id", "num_cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +163,7 @@ class PrefillRequest(_message.Message):
     KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingOptions
@@ -150,7 +172,8 @@ class PrefillRequest(_message.Message):
     kv_transport: str
     kv_endpoint: str
     transfer_id: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., seed: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., kv_transport: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., transfer_id: _Optional[int] = ...) -> None: ...
+    num_cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., seed: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., kv_transport: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., transfer_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class KVAck(_message.Message):
     __slots__ = ("transfer_id", "ok")
@@ -183,14 +206,16 @@ class KVChunk(_message.Message):
     def __init__(self, transfer_id: _Optional[int] = ..., layer: _Optional[int] = ..., token_start: _Optional[int] = ..., num_tokens: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PrefillDone(_message.Message):
-    __slots__ = ("first_token", "num_prompt_tokens", "prefill_worker_id")
+    __slots__ = ("first_token", "num_prompt_tokens", "prefill_worker_id", "num_cached_tokens")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     num_prompt_tokens: int
     prefill_worker_id: str
-    def __init__(self, first_token: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., prefill_worker_id: _Optional[str] = ...) -> None: ...
+    num_cached_tokens: int
+    def __init__(self, first_token: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., prefill_worker_id: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillServerMessage(_message.Message):
     __slots__ = ("kv", "done")

@@ -24,11 +24,14 @@ SECURITY = Security(CLUSTER_TOKEN)
 
 
 class WorkerProcess:
-    """A worker subprocess. Use as a context manager, or call `stop()`."""
+    """A worker subprocess. Use as a context manager, or call `stop()`. A decode worker
+    prefills every request remotely (`--local-prefill-max-tokens 0`) unless told otherwise."""
 
     def __init__(self, role: str, model: str, *args: str, ready_timeout_s: float = 180.0,
                  env: dict | None = None, launcher: tuple[str, ...] = ()) -> None:
         self.role = role
+        if role == "decode" and "--local-prefill-max-tokens" not in args:
+            args = (*args, "--local-prefill-max-tokens", "0")  # always remote: tests of the split
         ready = Path(tempfile.mkdtemp()) / "ready"
         self.log_path = ready.with_name("log")
         cmd = [*launcher, sys.executable, "-m", f"{role}_worker", "--model", model, "--ready-file", str(ready), *args]
@@ -119,6 +122,13 @@ async def stats_of(address: str, role: str) -> pb.WorkerStats:
     channel, stub = (decode_stub if role == "decode" else prefill_stub)(address)
     async with channel:
         return await stub.Stats(pb.StatsRequest())
+
+
+async def wait_idle_at(address: str, role: str, timeout_s: float = 20.0) -> pb.WorkerStats:
+    """`wait_idle` on the worker at `address` ("prefill" or "decode")."""
+    channel, stub = (decode_stub if role == "decode" else prefill_stub)(address)
+    async with channel:
+        return await wait_idle(stub, timeout_s)
 
 
 def free_port() -> int:

@@ -15,12 +15,15 @@ class WorkerConfig:
     host: str = "127.0.0.1"  # where the gRPC server and the KV rendezvous listen
     port: int = 0  # 0: any free port (the bound address is reported when ready)
     kv_transfer_timeout_s: float = 60.0  # deadline of one prefill leg, KV included
+    local_prefill_max_tokens: int = 256  # decode: prefill here when the cache lacks at most this many
     ready_file: str | None = None  # write "host:port" here once serving
     worker_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not 0 <= self.local_prefill_max_tokens <= 1 << 24:
+            raise ValueError(f"local_prefill_max_tokens must be in [0, 2^24], got {self.local_prefill_max_tokens}")
         if not self.kv_transfer_timeout_s > 0:
             raise ValueError(f"kv_transfer_timeout_s must be > 0, got {self.kv_transfer_timeout_s}")
 
@@ -32,10 +35,14 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-transfer-timeout-s", type=float, default=60.0,
                        help="deadline of one prefill leg including its KV transfer (default: %(default)s)")
     group.add_argument("--ready-file", default=None, help="write host:port here once serving")
+    group.add_argument("--local-prefill-max-tokens", type=int, default=256,
+                       help="decode worker: prefill a request here, not on a prefill worker, when its "
+                            "prefix cache lacks at most this many prompt tokens (default: %(default)s)")
     add_security_args(parser)
 
 
 
 def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
     return WorkerConfig(security=security_from_args(args), host=args.host, port=args.port,
-                        kv_transfer_timeout_s=args.kv_transfer_timeout_s, ready_file=args.ready_file)
+                        kv_transfer_timeout_s=args.kv_transfer_timeout_s, ready_file=args.ready_file,
+                        local_prefill_max_tokens=args.local_prefill_max_tokens)

@@ -57,5 +57,7 @@ class WorkerServiceBase:
             worker_id=self.config.worker_id, role=self.role, num_free_blocks=blocks.num_free_blocks,
             num_total_blocks=blocks.num_blocks,
             num_preemptions=scheduler.num_preemptions, num_finished=self.aengine.num_finished,
-            draining=self.draining, **fields,
+            draining=self.draining, prefix_cache_queries=scheduler.num_cache_queries,
+            prefix_cache_hit_tokens=scheduler.num_cache_hit_tokens, num_cached_blocks=blocks.num_cached_blocks,
+            **fields,
         )

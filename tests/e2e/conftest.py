@@ -53,6 +53,7 @@ def start_service(model_dir, **overrides):
         "env": {"GLOO_SOCKET_IFNAME": "lo"}, "health_check_interval_s": 0.5, "kv_transfer_timeout_s": 10,
         "router.port": free_port(), "prefill.num_cpus": 0.5, "decode.num_cpus": 0.5,
         "router.admin_token": "secret-token", "drain_timeout_s": 60,
+        "local_prefill_max_tokens": 0,  # the tests are of the split: every prompt goes to a prefill worker
     }
     settings.update(overrides)
     config = load_config(None, settings)

@@ -59,7 +59,9 @@ class MisbehavingPrefill(pb_grpc.PrefillWorkerServicer):
 
 @pytest.fixture(scope="module")
 def decode(tiny_llama_dir):
-    with WorkerProcess("decode", str(tiny_llama_dir), "--kv-transfer-timeout-s", "5") as d:
+    # caching off: every mode must reach the transfer with the whole prompt to ship
+    with WorkerProcess("decode", str(tiny_llama_dir), "--kv-transfer-timeout-s", "5",
+                       "--no-enable-prefix-caching") as d:
         yield d
 
 

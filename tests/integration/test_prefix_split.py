@@ -1,0 +1,87 @@
+"""Prefix caching across the prefill/decode split (real processes, real gRPC, both
+transports): the decode worker reserves its cached prefix and the prefill worker ships only
+what the decode worker lacks, from its own cache or computed; the tokens equal the offline
+engine's in every case, and the bytes shipped shrink with the decode worker's hit."""
+
+import asyncio
+import random
+
+import pytest
+
+from engine import LLM, SamplingParams
+from protos import pdserve_pb2 as pb
+from testkit.workers import WorkerProcess, decode_stub, generate_request, wait_idle
+
+BLOCK = 16
+MAX_TOKENS = 6
+
+
+def ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 49152) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def split(tiny_llama_dir):
+    model = str(tiny_llama_dir)
+    with WorkerProcess("prefill", model, "--max-num-batched-tokens", "32") as p, \
+            WorkerProcess("decode", model) as d1, WorkerProcess("decode", model) as d2:
+        yield {"model": model, "p": p.address, "d1": d1.address, "d2": d2.address,
+               "token_bytes": None, "llm": LLM(model)}
+
+
+async def generate(address: str, rid: str, prompt: list[int], prefill: list[str], transport: str):
+    channel, stub = decode_stub(address)
+    async with channel:
+        before = await stub.Stats(pb.StatsRequest())
+        tokens, first = [], None
+        async for chunk in stub.Generate(generate_request(rid, prompt, MAX_TOKENS, prefill, transport)):
+            first = first or chunk
+            tokens.extend(chunk.token_ids)
+        after = await wait_idle(stub)
+    assert after.num_free_blocks == after.num_total_blocks
+    return tokens, first, after.kv_bytes_received - before.kv_bytes_received, after
+
+
+def offline(split, prompt):
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    return split["llm"].generate([prompt], params)[0].token_ids
+
+
+@pytest.mark.parametrize("transport", ["torch", "grpc"])
+def test_only_what_the_decode_worker_lacks_is_shipped(split, transport):
+    seed = {"torch": 0, "grpc": 100}[transport]
+    system = ids(4 * BLOCK, seed + 1)  # four full blocks every prompt below starts with
+    token_bytes = 2 * 2 * 2 * 16 * 4  # layers x K,V x kv heads x head dim x fp32 (tiny model)
+
+    async def scenario():
+        p, d1, d2 = split["p"], split["d1"], split["d2"]
+        first = system + ids(21, seed + 2)
+        out = {"first": await generate(d1, f"a-{transport}", first, [p], transport)}
+        # d1 holds the system prompt now: it reserves those blocks and receives only the rest
+        second = system + ids(30, seed + 3)
+        out["second"] = await generate(d1, f"b-{transport}", second, [p], transport)
+        # d2 holds nothing, the prefill worker holds the system prompt: it ships it from its cache
+        third = system + ids(25, seed + 4)
+        out["third"] = await generate(d2, f"c-{transport}", third, [p], transport)
+        # d2 computes a prompt itself (no prefill worker offered); the prefill worker never saw
+        # it: it computes it all and ships only what d2 lacks
+        own = ids(3 * BLOCK + 5, seed + 5)
+        out["local"] = await generate(d2, f"d-{transport}", own, [], transport)
+        fourth = own[: 3 * BLOCK] + ids(40, seed + 6)
+        out["fourth"] = await generate(d2, f"e-{transport}", fourth, [p], transport)
+        return out, {"first": first, "second": second, "third": third, "local": own, "fourth": fourth}
+
+    out, prompts = asyncio.run(scenario())
+    for name, (tokens, _, _, _) in out.items():
+        assert tokens == offline(split, prompts[name]), f"{name}: tokens differ from the offline engine"
+    assert out["local"][1].prefilled_by == "local"
+    for name in ("first", "second", "third", "fourth"):
+        assert out[name][1].prefilled_by not in ("", "local"), name
+    assert out["first"][2] == len(prompts["first"]) * token_bytes
+    assert out["second"][2] == (len(prompts["second"]) - 4 * BLOCK) * token_bytes  # the delta only
+    assert out["third"][2] == len(prompts["third"]) * token_bytes  # d2 lacked it all
+    assert out["third"][1].num_cached_tokens == 4 * BLOCK  # ...but the prefill worker computed the tail only
+    assert out["fourth"][2] == (len(prompts["fourth"]) - 3 * BLOCK) * token_bytes
+    assert out["fourth"][1].num_cached_tokens == 0  # the prefill worker had none of it
+    assert out["second"][3].prefill_decisions.get("remote/many_uncached_tokens", 0) >= 2
