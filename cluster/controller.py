@@ -163,6 +163,7 @@ class Controller:
             self._event(role, "scale" if manual else "autoscale", f"target {n}")
         self._reconcile()
         if wait:
+            await asyncio.sleep(0)  # let the drain tasks just created mark their workers draining
             await self._wait_ready()
             while any(w.state == "draining" for w in self.workers.values()):
                 await asyncio.sleep(0.1)
@@ -226,7 +227,8 @@ class Controller:
         ).remote(role)
         record = WorkerRecord(role, handle, next(self._keys))
         self.workers[record.key] = record
-        worker_kwargs = {"kv_transfer_timeout_s": cfg.kv_transfer_timeout_s, "security": cfg.security()}
+        worker_kwargs = {"kv_transfer_timeout_s": cfg.kv_transfer_timeout_s, "security": cfg.security(),
+                         "local_prefill_max_tokens": cfg.local_prefill_max_tokens}
         if cfg.worker_host:
             worker_kwargs["host"] = cfg.worker_host
         asyncio.get_running_loop().create_task(
