@@ -56,8 +56,8 @@ class WorkerActor:
         from protos import pdserve_pb2 as pb
 
         stats = await self.service.Stats(pb.StatsRequest(), None)
-        return {f.name: (v if isinstance(v, int | float | str | bool) else list(v))
-                for f in stats.DESCRIPTOR.fields for v in [getattr(stats, f.name)]}
+        return {f.name: (v if isinstance(v, int | float | str | bool) else dict(v) if hasattr(v, "items")
+                         else list(v)) for f in stats.DESCRIPTOR.fields for v in [getattr(stats, f.name)]}
 
     async def stop(self) -> None:
         if self.server is not None:

@@ -158,9 +158,12 @@ def _status(args) -> int:
             s = w.get("stats") or {}
             total = s.get("num_total_blocks") or 0
             kv = f"{100 * (1 - s.get('num_free_blocks', 0) / total):.1f}%" if total else "-"
+            looked_up = s.get("prefix_cache_query_tokens") or 0
+            hit = f"{100 * s.get('prefix_cache_hit_tokens', 0) / looked_up:.1f}%" if looked_up else "-"
             print(f"  {w['worker_id'] or '(starting)':14} {w['address'] or '-':22} {w['state']:9} "
                   f"running {s.get('num_running', '-')!s:>4}  waiting {s.get('num_waiting', '-')!s:>4}  "
-                  f"queued prefill tokens {s.get('queued_prefill_tokens', '-')!s:>6}  KV used {kv}")
+                  f"queued prefill tokens {s.get('queued_prefill_tokens', '-')!s:>6}  KV used {kv}  "
+                  f"cache hits {hit}")
     auto = status.get("autoscaler") or {}
     if auto.get("enabled"):
         overridden = ", ".join(auto["overridden"]) or "none"

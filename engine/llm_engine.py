@@ -87,6 +87,7 @@ class LLMEngine:
         prefix = self.block_manager.cached_prefix(prompt_token_ids[:-1])
         if self.block_manager.allocate_slots(request_id, len(prompt_token_ids), prefix) is None:
             return None
+        self.scheduler.count_lookup(len(prompt_token_ids), len(prefix) * self.config.block_size)
         return len(prefix) * self.config.block_size
 
     def release_blocks(self, request_id: str) -> None:

@@ -67,8 +67,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        self.num_cache_queries = 0  # requests admitted while prefix caching is on
-        self.num_cache_hit_tokens = 0  # prompt tokens they found cached
+        self.num_cache_queries = 0  # prompts looked up in the prefix cache
+        self.num_cache_query_tokens = 0  # their tokens
+        self.num_cache_hit_tokens = 0  # of which found cached
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -169,10 +170,16 @@ class Scheduler:
         return prefix
 
     def _count_hit(self, request: Request, cached: int) -> None:
-        if request.num_preemptions == 0 and self.block_manager.enable_prefix_caching:
-            self.num_cache_queries += 1
-            self.num_cache_hit_tokens += min(cached, request.num_prompt_tokens)
+        if request.num_preemptions == 0:
             request.num_cached_tokens = min(cached, request.num_prompt_tokens)
+            self.count_lookup(request.num_prompt_tokens, request.num_cached_tokens)
+
+    def count_lookup(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+        """Account one prompt's prefix-cache lookup (for the hit rate in Stats)."""
+        if self.block_manager.enable_prefix_caching:
+            self.num_cache_queries += 1
+            self.num_cache_query_tokens += num_prompt_tokens
+            self.num_cache_hit_tokens += num_cached_tokens
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         needed = request.num_computed_tokens + num_new

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/pdserve.proto\x12\x07pdserve\"\xa0\x01\n\x0fSamplingOptions\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x07\n\x05_seed\"i\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\"\r\n\x0bInfoRequest\"\xb6\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12!\n\x06layout\x18\x04 \x01(\x0b\x32\x11.pdserve.KVLayout\x12\x15\n\rkv_transports\x18\x05 \x03(\t\x12\x13\n\x0bkv_endpoint\x18\x06 \x01(\t\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x12\n\nvocab_size\x18\x08 \x01(\r\"\x0e\n\x0cStatsRequest\"\xb7\x04\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x1a\n\x12num_waiting_for_kv\x18\x05 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x06 \x01(\x04\x12\x17\n\x0fnum_free_blocks\x18\x07 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x08 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\n \x01(\x04\x12\x14\n\x0cnum_finished\x18\x0b \x01(\x04\x12\x1c\n\x14num_failed_transfers\x18\x0c \x01(\x04\x12\x10\n\x08\x64raining\x18\r \x01(\x08\x12\x1c\n\x14prefix_cache_queries\x18\x0e \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x0f \x01(\x04\x12\x19\n\x11num_cached_blocks\x18\x10 \x01(\r\x12\x19\n\x11kv_bytes_received\x18\x11 \x01(\x04\x12\x15\n\rkv_bytes_sent\x18\x12 \x01(\x04\x12\x45\n\x11prefill_decisions\x18\x13 \x03(\x0b\x32*.pdserve.WorkerStats.PrefillDecisionsEntry\x1a\x37\n\x15PrefillDecisionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01J\x04\x08\t\x10\n\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1b\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x9c\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.pdserve.SamplingOptions\x12\x19\n\x11prefill_addresses\x18\x04 \x03(\t\x12\x14\n\x0ckv_transport\x18\x05 \x01(\t\"\x85\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x14\n\x0cprefilled_by\x18\x04 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\"\xfc\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.pdserve.SamplingOptions\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12!\n\x06layout\x18\x05 \x01(\x0b\x32\x11.pdserve.KVLayout\x12\x14\n\x0ckv_transport\x18\x06 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x07 \x01(\t\x12\x13\n\x0btransfer_id\x18\t \x01(\x04\x12\x19\n\x11num_cached_tokens\x18\n \x01(\rJ\x04\x08\x08\x10\t\".\n\x05KVAck\x12\x13\n\x0btransfer_id\x18\x01 \x01(\x04\x12\n\n\x02ok\x18\x02 \x01(\x08J\x04\x08\x03\x10\x04\"j\n\x14PrefillClientMessage\x12(\n\x05start\x18\x01 \x01(\x0b\x32\x17.pdserve.PrefillRequestH\x00\x12\x1d\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x0e.pdserve.KVAckH\x00\x42\t\n\x07message\"d\n\x07KVChunk\x12\x13\n\x0btransfer_id\x18\x01 \x01(\x04\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x13\n\x0btoken_start\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"s\n\x0bPrefillDone\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11prefill_worker_id\x18\x03 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\"g\n\x14PrefillServerMessage\x12\x1e\n\x02kv\x18\x01 \x01(\x0b\x32\x10.pdserve.KVChunkH\x00\x12$\n\x04\x64one\x18\x02 \x01(\x0b\x32\x14.pdserve.PrefillDoneH\x00\x42\t\n\x07message2\xec\x01\n\x0c\x44\x65\x63odeWorker\x12\x31\n\x04Info\x12\x14.pdserve.InfoRequest\x1a\x13.pdserve.WorkerInfo\x12>\n\x08Generate\x12\x18.pdserve.GenerateRequest\x1a\x16.pdserve.GenerateChunk0\x01\x12\x33\n\x05\x41\x62ort\x12\x15.pdserve.AbortRequest\x1a\x13.pdserve.AbortReply\x12\x34\n\x05Stats\x12\x15.pdserve.StatsRequest\x1a\x14.pdserve.WorkerStats2\xfa\x01\n\rPrefillWorker\x12\x31\n\x04Info\x12\x14.pdserve.InfoRequest\x1a\x13.pdserve.WorkerInfo\x12K\n\x07Prefill\x12\x1d.pdserve.PrefillClientMessage\x1a\x1d.pdserve.PrefillServerMessage(\x01\x30\x01\x12\x33\n\x05\x41\x62ort\x12\x15.pdserve.AbortRequest\x1a\x13.pdserve.AbortReply\x12\x34\n\x05Stats\x12\x15.pdserve.StatsRequest\x1a\x14.pdserve.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/pdserve.proto\x12\x07pdserve\"\xa0\x01\n\x0fSamplingOptions\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x07\n\x05_seed\"i\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\"\r\n\x0bInfoRequest\"\xb6\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12!\n\x06layout\x18\x04 \x01(\x0b\x32\x11.pdserve.KVLayout\x12\x15\n\rkv_transports\x18\x05 \x03(\t\x12\x13\n\x0bkv_endpoint\x18\x06 \x01(\t\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x12\n\nvocab_size\x18\x08 \x01(\r\"\x0e\n\x0cStatsRequest\"\xda\x04\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x1a\n\x12num_waiting_for_kv\x18\x05 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x06 \x01(\x04\x12\x17\n\x0fnum_free_blocks\x18\x07 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x08 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\n \x01(\x04\x12\x14\n\x0cnum_finished\x18\x0b \x01(\x04\x12\x1c\n\x14num_failed_transfers\x18\x0c \x01(\x04\x12\x10\n\x08\x64raining\x18\r \x01(\x08\x12\x1c\n\x14prefix_cache_queries\x18\x0e \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x0f \x01(\x04\x12\x19\n\x11num_cached_blocks\x18\x10 \x01(\r\x12\x19\n\x11kv_bytes_received\x18\x11 \x01(\x04\x12\x15\n\rkv_bytes_sent\x18\x12 \x01(\x04\x12\x45\n\x11prefill_decisions\x18\x13 \x03(\x0b\x32*.pdserve.WorkerStats.PrefillDecisionsEntry\x12!\n\x19prefix_cache_query_tokens\x18\x14 \x01(\x04\x1a\x37\n\x15PrefillDecisionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01J\x04\x08\t\x10\n\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1b\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x9c\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.pdserve.SamplingOptions\x12\x19\n\x11prefill_addresses\x18\x04 \x03(\t\x12\x14\n\x0ckv_transport\x18\x05 \x01(\t\"\x85\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x14\n\x0cprefilled_by\x18\x04 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\"\xfc\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.pdserve.SamplingOptions\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12!\n\x06layout\x18\x05 \x01(\x0b\x32\x11.pdserve.KVLayout\x12\x14\n\x0ckv_transport\x18\x06 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x07 \x01(\t\x12\x13\n\x0btransfer_id\x18\t \x01(\x04\x12\x19\n\x11num_cached_tokens\x18\n \x01(\rJ\x04\x08\x08\x10\t\".\n\x05KVAck\x12\x13\n\x0btransfer_id\x18\x01 \x01(\x04\x12\n\n\x02ok\x18\x02 \x01(\x08J\x04\x08\x03\x10\x04\"j\n\x14PrefillClientMessage\x12(\n\x05start\x18\x01 \x01(\x0b\x32\x17.pdserve.PrefillRequestH\x00\x12\x1d\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x0e.pdserve.KVAckH\x00\x42\t\n\x07message\"d\n\x07KVChunk\x12\x13\n\x0btransfer_id\x18\x01 \x01(\x04\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x13\n\x0btoken_start\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"s\n\x0bPrefillDone\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11prefill_worker_id\x18\x03 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\"g\n\x14PrefillServerMessage\x12\x1e\n\x02kv\x18\x01 \x01(\x0b\x32\x10.pdserve.KVChunkH\x00\x12$\n\x04\x64one\x18\x02 \x01(\x0b\x32\x14.pdserve.PrefillDoneH\x00\x42\t\n\x07message2\xec\x01\n\x0c\x44\x65\x63odeWorker\x12\x31\n\x04Info\x12\x14.pdserve.InfoRequest\x1a\x13.pdserve.WorkerInfo\x12>\n\x08Generate\x12\x18.pdserve.GenerateRequest\x1a\x16.pdserve.GenerateChunk0\x01\x12\x33\n\x05\x41\x62ort\x12\x15.pdserve.AbortRequest\x1a\x13.pdserve.AbortReply\x12\x34\n\x05Stats\x12\x15.pdserve.StatsRequest\x1a\x14.pdserve.WorkerStats2\xfa\x01\n\rPrefillWorker\x12\x31\n\x04Info\x12\x14.pdserve.InfoRequest\x1a\x13.pdserve.WorkerInfo\x12K\n\x07Prefill\x12\x1d.pdserve.PrefillClientMessage\x1a\x1d.pdserve.PrefillServerMessage(\x01\x30\x01\x12\x33\n\x05\x41\x62ort\x12\x15.pdserve.AbortRequest\x1a\x13.pdserve.AbortReply\x12\x34\n\x05Stats\x12\x15.pdserve.StatsRequest\x1a\x14.pdserve.WorkerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,31 +44,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATSREQUEST']._serialized_start=503
   _globals['_STATSREQUEST']._serialized_end=517
   _globals['_WORKERSTATS']._serialized_start=520
-  _globals['_WORKERSTATS']._serialized_end=1087
-  _globals['_WORKERSTATS_PREFILLDECISIONSENTRY']._serialized_start=1026
-  _globals['_WORKERSTATS_PREFILLDECISIONSENTRY']._serialized_end=1081
-  _globals['_ABORTREQUEST']._serialized_start=1089
-  _globals['_ABORTREQUEST']._serialized_end=1123
-  _globals['_ABORTREPLY']._serialized_start=1125
-  _globals['_ABORTREPLY']._serialized_end=1152
-  _globals['_GENERATEREQUEST']._serialized_start=1155
-  _globals['_GENERATEREQUEST']._serialized_end=1311
-  _globals['_GENERATECHUNK']._serialized_start=1314
-  _globals['_GENERATECHUNK']._serialized_end=1447
-  _globals['_PREFILLREQUEST']._serialized_start=1450
-  _globals['_PREFILLREQUEST']._serialized_end=1702
-  _globals['_KVACK']._serialized_start=1704
-  _globals['_KVACK']._serialized_end=1750
-  _globals['_PREFILLCLIENTMESSAGE']._serialized_start=1752
-  _globals['_PREFILLCLIENTMESSAGE']._serialized_end=1858
-  _globals['_KVCHUNK']._serialized_start=1860
-  _globals['_KVCHUNK']._serialized_end=1960
-  _globals['_PREFILLDONE']._serialized_start=1962
-  _globals['_PREFILLDONE']._serialized_end=2077
-  _globals['_PREFILLSERVERMESSAGE']._serialized_start=2079
-  _globals['_PREFILLSERVERMESSAGE']._serialized_end=2182
-  _globals['_DECODEWORKER']._serialized_start=2185
-  _globals['_DECODEWORKER']._serialized_end=2421
-  _globals['_PREFILLWORKER']._serialized_start=2424
-  _globals['_PREFILLWORKER']._serialized_end=2674
+  _globals['_WORKERSTATS']._serialized_end=1122
+  _globals['_WORKERSTATS_PREFILLDECISIONSENTRY']._serialized_start=1061
+  _globals['_WORKERSTATS_PREFILLDECISIONSENTRY']._serialized_end=1116
+  _globals['_ABORTREQUEST']._serialized_start=1124
+  _globals['_ABORTREQUEST']._serialized_end=1158
+  _globals['_ABORTREPLY']._serialized_start=1160
+  _globals['_ABORTREPLY']._serialized_end=1187
+  _globals['_GENERATEREQUEST']._serialized_start=1190
+  _globals['_GENERATEREQUEST']._serialized_end=1346
+  _globals['_GENERATECHUNK']._serialized_start=1349
+  _globals['_GENERATECHUNK']._serialized_end=1482
+  _globals['_PREFILLREQUEST']._serialized_start=1485
+  _globals['_PREFILLREQUEST']._serialized_end=1737
+  _globals['_KVACK']._serialized_start=1739
+  _globals['_KVACK']._serialized_end=1785
+  _globals['_PREFILLCLIENTMESSAGE']._serialized_start=1787
+  _globals['_PREFILLCLIENTMESSAGE']._serialized_end=1893
+  _globals['_KVCHUNK']._serialized_start=1895
+  _globals['_KVCHUNK']._serialized_end=1995
+  _globals['_PREFILLDONE']._serialized_start=1997
+  _globals['_PREFILLDONE']._serialized_end=2112
+  _globals['_PREFILLSERVERMESSAGE']._serialized_start=2114
+  _globals['_PREFILLSERVERMESSAGE']._serialized_end=2217
+  _globals['_DECODEWORKER']._serialized_start=2220
+  _globals['_DECODEWORKER']._serialized_end=2456
+  _globals['_PREFILLWORKER']._serialized_start=2459
+  _globals['_PREFILLWORKER']._serialized_end=2709
 # @@protoc_insertion_point(module_scope)

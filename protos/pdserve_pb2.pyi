@@ -67,7 +67,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "num_waiting", "num_running", "num_waiting_for_kv", "queued_prefill_tokens", "num_free_blocks", "num_total_blocks", "num_preemptions", "num_finished", "num_failed_transfers", "draining", "prefix_cache_queries", "prefix_cache_hit_tokens", "num_cached_blocks", "kv_bytes_received", "kv_bytes_sent", "prefill_decisions")
+    __slots__ = ("worker_id", "role", "num_waiting", "num_running", "num_waiting_for_kv", "queued_prefill_tokens", "num_free_blocks", "num_total_blocks", "num_preemptions", "num_finished", "num_failed_transfers", "draining", "prefix_cache_queries", "prefix_cache_hit_tokens", "num_cached_blocks", "kv_bytes_received", "kv_bytes_sent", "prefill_decisions", "prefix_cache_query_tokens")
     class PrefillDecisionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class WorkerStats(_message.Message):
     KV_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_waiting: int
@@ -111,7 +112,8 @@ class WorkerStats(_message.Message):
     kv_bytes_received: int
     kv_bytes_sent: int
     prefill_decisions: _containers.ScalarMap[str, int]
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting_for_kv: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_failed_transfers: _Optional[int] = ..., draining: bool = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., prefill_decisions: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    prefix_cache_query_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting_for_kv: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_failed_transfers: _Optional[int] = ..., draining: bool = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., prefill_decisions: _Optional[_Mapping[str, int]] = ..., prefix_cache_query_tokens: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

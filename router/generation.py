@@ -48,6 +48,7 @@ class Result:
     first_token_at: float | None = None
     decode_worker: str = ""
     prefilled_by: str = ""
+    num_cached_tokens: int = 0  # prompt tokens reused from a prefix cache on the request's path
 
     def tpot_s(self, end: float) -> float | None:
         """Mean seconds per output token after the first, up to `end` (a perf_counter time);
@@ -103,6 +104,7 @@ class Generation:
                 if self.result.first_token_at is None and chunk.token_ids:
                     self.result.first_token_at = time.perf_counter()
                     self.result.prefilled_by = chunk.prefilled_by
+                    self.result.num_cached_tokens = chunk.num_cached_tokens
                     if prefill:
                         prefill[0].inflight_tokens -= len(self.prompt_ids)
                 text = "".join(detok.add_token(t) for t in chunk.token_ids if not detok.stopped)

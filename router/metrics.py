@@ -3,8 +3,42 @@
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+POOLS = ("prefill", "decode")
+
+
+class WorkerTotals:
+    """Counters the workers keep (prefix cache, prefill decisions, KV bytes), summed per
+    pool from their latest Stats when Prometheus scrapes. A worker that leaves takes its
+    counts along, which Prometheus reads as a counter reset."""
+
+    def __init__(self, workers) -> None:
+        self.workers = workers
+
+    def collect(self):
+        queries = CounterMetricFamily("pdserve_prefix_cache_queries", "requests that looked up a prefix cache",
+                                      labels=["pool"])
+        hits = CounterMetricFamily("pdserve_prefix_cache_hit_tokens", "prompt tokens found in a prefix cache",
+                                   labels=["pool"])
+        decisions = CounterMetricFamily("pdserve_prefill_decisions", "where decode workers had prompts prefilled",
+                                        labels=["where", "reason"])
+        shipped = CounterMetricFamily("pdserve_kv_transfer_bytes", "KV bytes prefill workers shipped to decode "
+                                      "workers", labels=["pool"])
+        by_decision: dict[tuple[str, str], int] = {}
+        for pool in POOLS:
+            stats = [v.stats for v in self.workers.workers(pool, routable=False) if v.stats is not None]
+            queries.add_metric([pool], sum(s.prefix_cache_queries for s in stats))
+            hits.add_metric([pool], sum(s.prefix_cache_hit_tokens for s in stats))
+            shipped.add_metric([pool], sum(s.kv_bytes_sent + s.kv_bytes_received for s in stats))
+            for s in stats:
+                for key, count in s.prefill_decisions.items():
+                    where, _, reason = key.partition("/")
+                    by_decision[where, reason] = by_decision.get((where, reason), 0) + count
+        for (where, reason), count in sorted(by_decision.items()):
+            decisions.add_metric([where, reason], count)
+        yield from (queries, hits, decisions, shipped)
 
 
 class RouterMetrics:
@@ -12,6 +46,7 @@ class RouterMetrics:
         self.workers = registry
         self.registry = CollectorRegistry()
         r = self.registry
+        r.register(WorkerTotals(registry))
         self.requests = Counter("pdserve_requests", "finished requests by finish reason",
                                 ["finish_reason"], registry=r)
         self.rejected = Counter("pdserve_rejected_requests", "requests refused by admission control", registry=r)
@@ -37,7 +72,7 @@ class RouterMetrics:
 
     def set_autoscaler(self, summary: dict) -> None:
         self.autoscaler_decisions.set(summary["decisions"])
-        for pool in ("prefill", "decode"):
+        for pool in POOLS:
             self.autoscaler_target.labels(pool).set(summary["targets"][pool])
             self.autoscaler_desired.labels(pool).set(summary["desired"][pool])
             self.autoscaler_correction.labels(pool).set(summary["correction"][pool])
@@ -56,7 +91,7 @@ class RouterMetrics:
             self.tpot.observe(tpot)
 
     def render(self) -> tuple[bytes, str]:
-        for pool in ("prefill", "decode"):
+        for pool in POOLS:
             views = self.workers.workers(pool, routable=False)
             stats = [v.stats for v in views if v.stats is not None]
             self.pool_workers.labels(pool).set(sum(v.routable for v in views))

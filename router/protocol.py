@@ -87,24 +87,26 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; `cached_tokens`: prompt tokens reused from a prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def completion_response(rid: str, model: str, text: str, finish: str, prompt_tokens: int,
-                        completion_tokens: int) -> dict:
+                        completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 def chat_response(rid: str, model: str, text: str, finish: str, prompt_tokens: int,
-                  completion_tokens: int) -> dict:
+                  completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                          "logprobs": None, "finish_reason": finish}],
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str, finish: str | None) -> dict:
@@ -118,6 +120,6 @@ def chat_chunk(rid: str, model: str, created: int, delta: dict, finish: str | No
 
 
 def usage_chunk(rid: str, model: str, created: int, kind: str, prompt_tokens: int,
-                completion_tokens: int) -> dict:
+                completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {"id": rid, "object": kind, "created": created, "model": model, "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}

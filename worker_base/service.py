@@ -58,6 +58,7 @@ class WorkerServiceBase:
             num_total_blocks=blocks.num_blocks,
             num_preemptions=scheduler.num_preemptions, num_finished=self.aengine.num_finished,
             draining=self.draining, prefix_cache_queries=scheduler.num_cache_queries,
+            prefix_cache_query_tokens=scheduler.num_cache_query_tokens,
             prefix_cache_hit_tokens=scheduler.num_cache_hit_tokens, num_cached_blocks=blocks.num_cached_blocks,
             **fields,
         )
