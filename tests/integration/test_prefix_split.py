@@ -85,3 +85,52 @@ def test_only_what_the_decode_worker_lacks_is_shipped(split, transport):
     assert out["fourth"][2] == (len(prompts["fourth"]) - 3 * BLOCK) * token_bytes
     assert out["fourth"][1].num_cached_tokens == 0  # the prefill worker had none of it
     assert out["second"][3].prefill_decisions.get("remote/many_uncached_tokens", 0) >= 2
+
+
+def test_abort_during_a_delta_transfer_keeps_the_shared_prefix(split):
+    """A request sharing cached blocks is aborted while its delta lands: its own blocks are
+    freed, the shared ones stay cached and correct for the next request."""
+    system = ids(4 * BLOCK, 900)
+
+    async def scenario():
+        p, d = split["p"], split["d1"]
+        await generate(d, "warm", system + ids(10, 901), [p], "torch")
+        channel, stub = decode_stub(d)
+        async with channel:
+            call = stub.Generate(generate_request("aborted", system + ids(900, 902), 50, [p], "torch"))
+            while not (await stub.Stats(pb.StatsRequest())).num_waiting_for_kv:  # the delta is landing
+                await asyncio.sleep(0.002)
+            reply = await stub.Abort(pb.AbortRequest(request_id="aborted"))
+            async for _ in call:
+                pass
+            idle = await wait_idle(stub)
+        after = await generate(d, "after", system + ids(12, 903), [p], "torch")
+        return reply, idle, after
+
+    reply, idle, (tokens, first, shipped, stats) = asyncio.run(scenario())
+    assert reply.found
+    assert idle.num_free_blocks == idle.num_total_blocks and idle.num_cached_blocks >= 4
+    assert tokens == offline(split, system + ids(12, 903))
+    token_bytes = 2 * 2 * 2 * 16 * 4
+    assert shipped == 12 * token_bytes  # the four shared blocks were still there to reuse
+
+
+def test_bad_cached_token_counts_are_refused_by_the_prefill_worker(split):
+    from testkit.workers import prefill_stub
+
+    async def attempt(num_cached: int):
+        channel, stub = prefill_stub(split["p"])
+        async with channel:
+            layout = (await stub.Info(pb.InfoRequest())).layout
+            start = pb.PrefillRequest(request_id=f"bad-{num_cached}", prompt_token_ids=ids(40, 7), seed=1,
+                                      kv_transport="grpc", transfer_id=1, num_cached_tokens=num_cached,
+                                      sampling=pb.SamplingOptions(max_tokens=1))
+            start.layout.CopyFrom(layout)
+            with pytest.raises(Exception) as refused:
+                async for _ in stub.Prefill(iter([pb.PrefillClientMessage(start=start)])):
+                    pass
+            return refused.value
+
+    for bad in (40, 48, 5):  # the whole prompt, past it, not whole blocks
+        error = asyncio.run(attempt(bad))
+        assert "num_cached_tokens" in error.details() and error.code().name == "INVALID_ARGUMENT"

@@ -142,3 +142,21 @@ def test_host_copy_gathers_strided_views_and_refuses_a_dtype_change():
     assert torch.equal(dst, fused[:, 1:2])
     with pytest.raises(TypeError, match="bfloat16 into torch.float32"):
         host_copy(torch.empty(5, 1, 8), fused[:, 1:2])
+
+
+def test_a_delta_reservation_refuses_the_positions_it_holds_already():
+    cache = torch.zeros(LAYOUT.num_layers, 2, 8, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+    table = ReservationTable(LAYOUT, cache)
+    res = table.register("r", [0, 1, 2, 3], 14, num_cached_tokens=8)
+    piece = torch.ones(2 * 3 * LAYOUT.num_kv_heads * LAYOUT.head_dim)
+    with pytest.raises(TransferError, match="held already"):
+        table.write(res.transfer_id, 0, 6, 3, piece)  # overlaps the cached positions 6, 7
+    assert not cache[:, :, :2].any(), "the shared cached blocks must stay untouched"
+    with pytest.raises(TransferError, match="outside the reservation"):
+        table.write(res.transfer_id, 0, 12, 3, piece)
+    for layer in range(LAYOUT.num_layers):
+        table.write(res.transfer_id, layer, 8, 3, piece)
+        table.write(res.transfer_id, layer, 11, 3, piece)
+    assert res.complete and not cache[:, :, :2].any()
+    with pytest.raises(ValueError, match="cached tokens"):
+        table.register("s", [4, 5], 8, num_cached_tokens=8)
