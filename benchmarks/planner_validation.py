@@ -82,12 +82,12 @@ def main() -> None:
 
     import ray
 
-    from cluster.planner.profile import Profile
     from cluster.planner.search import SLO, lengths_of, phase_curve, predict
     from cluster.planner.simulator import simulate
     from cluster.planner.workload import load_trace, rescale
     from cluster.ray_cluster import ray_env
     from engine.model_source import resolve_model
+    from engine.profile import Profile
 
     model = str(resolve_model(args.model))
     RESULTS.mkdir(parents=True, exist_ok=True)

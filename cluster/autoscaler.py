@@ -17,10 +17,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cluster.planner.profile import Profile
 from cluster.planner.search import SLO, phase_curve
 from cluster.planner.simulator import simulate
 from cluster.planner.workload import poisson
+from engine.profile import Profile
 
 ROLES = ("prefill", "decode")
 

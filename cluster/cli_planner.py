@@ -63,9 +63,9 @@ def _profile(args) -> int:
 
 
 def _plan(args) -> int:
-    from cluster.planner.profile import Profile
     from cluster.planner.search import SLO, make_plan
     from cluster.planner.workload import load_trace, trace_rate
+    from engine.profile import Profile
 
     profile = Profile.load(args.profile)
     trace = load_trace(args.trace or DEFAULT_TRACE)

@@ -180,8 +180,8 @@ class Controller:
         if not spec.enabled:
             return None
         from cluster.autoscaler import Autoscaler
-        from cluster.planner.profile import Profile
         from cluster.planner.search import SLO
+        from engine.profile import Profile
 
         bounds = {role: (max(self.config.pool(role).min_replicas, 1 if role == "decode" else 0),
                          self.config.pool(role).max_replicas) for role in ROLES}
@@ -228,7 +228,8 @@ class Controller:
         record = WorkerRecord(role, handle, next(self._keys))
         self.workers[record.key] = record
         worker_kwargs = {"kv_transfer_timeout_s": cfg.kv_transfer_timeout_s, "security": cfg.security(),
-                         "local_prefill_max_tokens": cfg.local_prefill_max_tokens}
+                         "local_prefill_max_tokens": cfg.local_prefill_max_tokens,
+                         "prefill_profile": cfg.prefill_profile}
         if cfg.worker_host:
             worker_kwargs["host"] = cfg.worker_host
         asyncio.get_running_loop().create_task(

@@ -28,6 +28,7 @@ import grpc
 from decode_worker.prefill_client import PrefillClient
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.profile import Profile, prefill_seconds
 from engine.sampling_params import SamplingParams
 from kv_transfer.base import check_transport_name
 from kv_transfer.reservations import ReservationTable
@@ -53,6 +54,7 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
         self._seeds = random.Random()
         self.num_failed_legs = 0
         self.prefill_decisions: dict[str, int] = {}  # "where/reason" -> count
+        self.profile = Profile.load(config.prefill_profile) if config.prefill_profile else None
         self.kv_bytes_received = 0
 
     # ------------------------------------------------------------ lifecycle
@@ -73,15 +75,20 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
 
     def _stats(self) -> pb.WorkerStats:
         scheduler = self.engine.scheduler
-        queued = sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting)
-        queued += sum(r.num_prompt_tokens - r.num_computed_tokens for r in scheduler.running
-                      if r.num_computed_tokens < r.num_prompt_tokens)
+        queued = self._queued_prompt_tokens()
         return self._worker_stats(
             num_waiting=len(scheduler.waiting) + len(self._block_waiters), num_running=len(scheduler.running),
             num_waiting_for_kv=len(self.table), queued_prefill_tokens=queued,
             num_failed_transfers=self.num_failed_legs, prefill_decisions=self.prefill_decisions,
             kv_bytes_received=self.kv_bytes_received,
         )
+
+    def _queued_prompt_tokens(self) -> int:
+        """Prompt tokens this worker has still to prefill itself."""
+        scheduler = self.engine.scheduler
+        return sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting) + sum(
+            r.num_prompt_tokens - r.num_computed_tokens for r in scheduler.running
+            if r.num_computed_tokens < r.num_prompt_tokens)
 
     async def Abort(self, request, context) -> pb.AbortReply:
         admission = self._admissions.get(request.request_id)
@@ -107,7 +114,8 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.aengine.listeners[request_id] = outputs.put_nowait
         admission = asyncio.get_running_loop().create_task(
-            self._admit(request_id, ids, params, list(request.prefill_addresses), transport))
+            self._admit(request_id, ids, params, list(request.prefill_addresses), transport,
+                        request.prefill_queued_tokens))
         self._admissions[request_id] = admission
         finished = False
         try:
@@ -147,14 +155,14 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
         transport = check_transport_name(request.kv_transport or "torch")
         return ids, params, transport
 
-    async def _admit(self, request_id: str, ids: list[int], params: SamplingParams,
-                     addresses: list[str], transport: str) -> tuple[RequestOutput | None, str]:
+    async def _admit(self, request_id: str, ids: list[int], params: SamplingParams, addresses: list[str],
+                     transport: str, prefill_queued_tokens: int = 0) -> tuple[RequestOutput | None, str]:
         """Prefill the request where `_where_to_prefill` says (remotely, only what this
         worker's prefix cache lacks, or here) and admit it to the batch. Returns the
         first-token output when prefilled remotely (None when prefilled locally)."""
-        async with self.aengine.lock:
+        async with self.aengine.lock:  # engine state is stable between steps
             cached = self.engine.cached_prompt_tokens(ids) if addresses else 0
-        where, reason = self._where_to_prefill(len(ids), cached, bool(addresses))
+            where, reason = self._where_to_prefill(len(ids), cached, bool(addresses), prefill_queued_tokens)
         self._decided(where, reason)
         if where == "remote":
             cached = await self._reserve(request_id, ids)
@@ -168,7 +176,7 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
                 except Exception as exc:  # noqa: BLE001 - any failure: next prefill worker
                     self.num_failed_legs += 1
                     logger.warning("request_id=%s prefill leg on %s failed: %s", request_id,
-                                   address, exc or type(exc).__name__)
+                                   address, str(exc) or type(exc).__name__)  # a timeout's str() is ""
                     continue
                 async with self.aengine.lock:
                     output = self.engine.add_prefilled_request(request_id, ids, params, first_token,
@@ -184,14 +192,24 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
         self.aengine.wake()
         return None, "local"
 
-    def _where_to_prefill(self, num_tokens: int, cached: int, have_prefill: bool) -> tuple[str, str]:
+    def _where_to_prefill(self, num_tokens: int, cached: int, have_prefill: bool,
+                          prefill_queued_tokens: int = 0) -> tuple[str, str]:
         """("remote" | "local", why). Local when no prefill worker was offered, or when what
         this worker's cache lacks is at most `local_prefill_max_tokens` (a short tail, e.g. a
-        chat's next user turn: a round trip to the prefill pool would cost more than it saves)."""
+        chat's next user turn: a round trip to the prefill pool would cost more than it saves).
+        With a profile loaded, also local when the latency model predicts prefilling the tail
+        here beats the prefill worker's queue plus the same prefill plus shipping the KV."""
+        uncached = num_tokens - cached
         if not have_prefill:
             return "local", "no_prefill_worker"
-        if num_tokens - cached <= self.config.local_prefill_max_tokens:
+        if uncached <= self.config.local_prefill_max_tokens:
             return "local", "few_uncached_tokens"
+        if self.profile is not None:
+            running = self.engine.scheduler.running
+            here = prefill_seconds(self.profile, self._queued_prompt_tokens() + uncached, len(running),
+                                   sum(r.num_tokens for r in running))  # mixed with this batch's decodes
+            there = prefill_seconds(self.profile, prefill_queued_tokens + uncached) + self.profile.transfer_s(uncached)
+            return ("local", "latency_model") if here <= there else ("remote", "latency_model")
         return "remote", "many_uncached_tokens"
 
     def _decided(self, where: str, reason: str) -> None:

@@ -128,18 +128,20 @@ class AbortReply(_message.Message):
     def __init__(self, found: bool = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefill_addresses", "kv_transport")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefill_addresses", "kv_transport", "prefill_queued_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingOptions
     prefill_addresses: _containers.RepeatedScalarFieldContainer[str]
     kv_transport: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., prefill_addresses: _Optional[_Iterable[str]] = ..., kv_transport: _Optional[str] = ...) -> None: ...
+    prefill_queued_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., prefill_addresses: _Optional[_Iterable[str]] = ..., kv_transport: _Optional[str] = ..., prefill_queued_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("token_ids", "finish_reason", "num_prompt_tokens", "prefilled_by", "num_cached_tokens")

@@ -91,6 +91,7 @@ class Generation:
             request_id=self.request_id, prompt_token_ids=self.prompt_ids,
             sampling=sampling_to_proto(params), prefill_addresses=[p.address for p in prefill],
             kv_transport=router.config.kv_transport,
+            prefill_queued_tokens=prefill[0].queued_prefill_tokens if prefill else 0,
         )
         detok = IncrementalDetokenizer(router.tokenizer, self.prompt_ids, params.stop, params.skip_special_tokens)
         self.result.decode_worker = decode.worker_id

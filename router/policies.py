@@ -38,10 +38,7 @@ class LeastLoaded(RoutingPolicy):
         return min(workers, key=load)
 
     def order_prefill(self, workers):
-        def load(v: WorkerView):
-            return (v.stats.queued_prefill_tokens if v.stats else 0) + v.inflight_tokens
-
-        return sorted(workers, key=load)
+        return sorted(workers, key=lambda v: v.queued_prefill_tokens)
 
 
 class RoundRobin(RoutingPolicy):

@@ -36,6 +36,12 @@ class WorkerView:
     unhealthy_until: float = 0.0
 
     @property
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens waiting on this (prefill) worker: its last report plus what this
+        router sent it since."""
+        return (self.stats.queued_prefill_tokens if self.stats else 0) + self.inflight_tokens
+
+    @property
     def routable(self) -> bool:
         return self.state == "ready" and time.monotonic() >= self.unhealthy_until
 

@@ -16,6 +16,7 @@ class WorkerConfig:
     port: int = 0  # 0: any free port (the bound address is reported when ready)
     kv_transfer_timeout_s: float = 60.0  # deadline of one prefill leg, KV included
     local_prefill_max_tokens: int = 256  # decode: prefill here when the cache lacks at most this many
+    prefill_profile: str | None = None  # decode: `pdserve profile` JSON for the where-to-prefill model
     ready_file: str | None = None  # write "host:port" here once serving
     worker_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
@@ -38,6 +39,10 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--local-prefill-max-tokens", type=int, default=256,
                        help="decode worker: prefill a request here, not on a prefill worker, when its "
                             "prefix cache lacks at most this many prompt tokens (default: %(default)s)")
+    group.add_argument("--prefill-profile", default=None,
+                       help="decode worker: a `pdserve profile` JSON; with it, longer uncached tails are "
+                            "also prefilled here when the latency model predicts that is faster than the "
+                            "prefill worker's queue plus its prefill plus the KV transfer")
     add_security_args(parser)
 
 
@@ -45,4 +50,4 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
 def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
     return WorkerConfig(security=security_from_args(args), host=args.host, port=args.port,
                         kv_transfer_timeout_s=args.kv_transfer_timeout_s, ready_file=args.ready_file,
-                        local_prefill_max_tokens=args.local_prefill_max_tokens)
+                        local_prefill_max_tokens=args.local_prefill_max_tokens, prefill_profile=args.prefill_profile)

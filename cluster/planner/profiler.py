@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from cluster.planner.profile import Profile, fit_decode, fit_prefill
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.profile import Profile, fit_decode, fit_prefill
 from engine.sampling_params import SamplingParams
 
 

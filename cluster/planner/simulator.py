@@ -19,8 +19,8 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
-from cluster.planner.profile import Profile
 from cluster.planner.workload import SimRequest
+from engine.profile import Profile
 from engine.stats import percentile
 
 

@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cluster.autoscaler import Autoscaler
-from cluster.planner.profile import Profile, fit_decode, fit_prefill
 from cluster.planner.search import SLO, make_plan, phase_curve
 from cluster.planner.simulator import simulate
 from cluster.planner.workload import SimRequest, load_trace, poisson
+from engine.profile import Profile, fit_decode, fit_prefill
 
 # A plausible one-core profile: ~2.5 ms per prompt token, decode steps of 30 ms + 1.5 ms/request
 PROFILE = Profile("test", (0.02, 0.0025, 1e-8), (0.03, 0.0015, 2e-6), 46080, 1.5e9,
@@ -144,3 +144,14 @@ def test_autoscaler_leaves_an_overridden_pool_alone():
     busy = {"count": 50, "rate": 2.0, "lengths": [(128, 64)] * 50, "ttft_p": 0.5, "tpot_p": 0.2}
     decision = scaler.decide(busy, {"prefill": 1, "decode": 1}, overridden={"decode"})
     assert "decode" not in decision.action and "operator override" in decision.reason
+
+
+def test_prefill_seconds_chunks_under_the_budget_and_mixing_costs_more():
+    from engine.profile import prefill_seconds
+
+    profile = Profile("m", (0.01, 0.001, 0.0), (0.005, 0.0005, 0.00001), 1000, 1e9, max_num_batched_tokens=100)
+    # closed form: 250 tokens = chunks of 100, 100, 50, each p0 + p1 * chunk
+    assert prefill_seconds(profile, 250) == pytest.approx(3 * 0.01 + 0.001 * 250)
+    assert prefill_seconds(profile, 0) == 0
+    alone, mixed = prefill_seconds(profile, 250), prefill_seconds(profile, 250, batch=8, context=4000)
+    assert mixed == pytest.approx(alone + 3 * (0.0005 * 8 + 0.00001 * 4000))

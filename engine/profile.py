@@ -91,6 +91,17 @@ class Profile:
             raise ValueError(f"profile {path}: {exc}") from None
 
 
+def prefill_seconds(profile: Profile, tokens: int, batch: int = 0, context: int = 0) -> float:
+    """Predicted time to prefill `tokens` prompt tokens, chunked under the token budget; with
+    `batch` running requests of `context` tokens in all, each step also carries their decode."""
+    budget, seconds = profile.max_num_batched_tokens, 0.0
+    for start in range(0, tokens, budget):
+        chunk = min(budget, tokens - start)
+        seconds += (profile.colocated_step_s(chunk, chunk * chunk, batch, context) if batch
+                    else profile.prefill_step_s(chunk, chunk * chunk))
+    return seconds
+
+
 def fit_nonnegative(features: np.ndarray, times: np.ndarray) -> tuple[float, ...]:
     """Least squares with the coefficients clipped at zero (refit without negatives)."""
     active = list(range(features.shape[1]))
