@@ -90,7 +90,8 @@ class PrefillService(WorkerServiceBase, pb_grpc.PrefillWorkerServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         request_id = start.request_id
-        if request_id in self._shipments:
+        # _streams too: a torch leg is registered there while it joins its KV pair, before it ships
+        if request_id in self._streams or request_id in self._shipments:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is in use")
         self._streams[request_id] = asyncio.current_task()
         try:

@@ -232,7 +232,7 @@ async def _serve(request: Request, router: Router, body, ids: list[int], chat: b
         _done(router, generation)
     build = protocol.chat_response if chat else protocol.completion_response
     response = build(rid, body.model, text, generation.result.finish_reason, len(ids),
-                     generation.result.num_completion_tokens)
+                     generation.result.num_completion_tokens, generation.result.num_cached_tokens)
     if body.return_token_ids:
         response["choices"][0]["token_ids"] = token_ids
     return JSONResponse(response)
@@ -249,17 +249,25 @@ async def _collect(request: Request, generation: Generation) -> tuple[str, list[
             token_ids.extend(delta.token_ids)
 
     task = asyncio.ensure_future(run())
+    client_gone = False
     try:
         while not task.done():
             done, _ = await asyncio.wait({task}, timeout=0.5)
             if not done and await request.is_disconnected():
+                client_gone = True
                 task.cancel()
         await task
     except GenerationError as exc:
         raise APIError(exc.status, str(exc)) from None
     except asyncio.CancelledError:
         generation.result.finish_reason = "abort"
+        if client_gone and not asyncio.current_task().cancelling():
+            # we cancelled it: end the request normally (the answer goes nowhere) rather than
+            # letting CancelledError escape into the ASGI server as an unhandled exception
+            raise APIError(499, "client closed the request") from None
         raise
+    finally:
+        task.cancel()  # no-op once done; stops the generation if this handler itself is cancelled
     return "".join(parts), token_ids
 
 
@@ -293,7 +301,8 @@ async def _sse(router: Router, generation: Generation, model: str, chat: bool, i
             return
         if include_usage:
             yield event(protocol.usage_chunk(rid, model, created, kind, len(generation.prompt_ids),
-                                             generation.result.num_completion_tokens))
+                                             generation.result.num_completion_tokens,
+                                             generation.result.num_cached_tokens))
         yield b"data: [DONE]\n\n"
     finally:
         if generation.result.finish_reason is None:

@@ -2,20 +2,15 @@
 actors and the router, reached over HTTP."""
 
 import os
-import socket
 import time
 import urllib.request
 
 import pytest
 
+from testkit.workers import free_port
+
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_http(url: str, timeout_s: float = 120) -> None:

@@ -51,6 +51,9 @@ def get(url: str, headers: dict | None = None) -> tuple[int, str]:
         return exc.code, exc.read().decode()
 
 
+ABORTED = 'pdserve_requests_total{finish_reason="abort"}'  # requests that ended because the client left
+
+
 def metric(url: str, sample: str) -> float:
     """The value of one Prometheus sample of `url`/metrics, e.g.
     `pdserve_requests_total{finish_reason="abort"}` (0 when it has not been recorded yet)."""

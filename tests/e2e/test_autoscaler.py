@@ -11,40 +11,21 @@ from tests.e2e.conftest import start_service, stop_service
 from tests.e2e.http import get
 from tests.e2e.test_scaling import Traffic, pool_state
 
-
-def _tpot_p90(controller, ray, window_s: float) -> float:
-    router = ray.get_actor("pdserve-router", namespace="pdserve")
-    return ray.get(router.observations.remote(window_s))["tpot_p"]
+# No decode step of any model takes 0.1 ms: the load step violates this TPOT SLO by construction
+# (how far above the SLO a machine's TPOT lands is a matter for benchmarks, not this test);
+# without load there are no samples and the plan falls back to the pool's minimum.
+TPOT_SLO_S = 1e-4
 
 
 def test_autoscaler_follows_a_load_step(ray_cluster, tiny_llama_dir, tmp_path):
-    import ray
-
     profile = tmp_path / "profile.json"
     out = subprocess.run([sys.executable, "-m", "cluster.cli", "profile", "--model", str(tiny_llama_dir),
                           "--out", str(profile), "--repeats", "2", "--max-model-len", "1024"],
                          capture_output=True, text=True, timeout=600, env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"})
     assert out.returncode == 0, out.stderr[-2000:]
 
-    # What TPOT does one decode worker give here, idle and under the load step?
-    controller, url = start_service(tiny_llama_dir)
-    try:
-        with Traffic(url, clients=1, max_tokens=40):
-            time.sleep(3)  # warm-up
-        time.sleep(1)
-        with Traffic(url, clients=1, max_tokens=40):
-            time.sleep(4)
-        idle = _tpot_p90(controller, ray, 4)
-        with Traffic(url, clients=24, max_tokens=40):
-            time.sleep(8)
-        loaded = _tpot_p90(controller, ray, 6)
-    finally:
-        stop_service(controller)
-    assert loaded > 1.5 * idle, f"the load step must slow decoding: idle {idle}, loaded {loaded}"
-    slo = (idle * loaded) ** 0.5  # met when idle, violated under the step
-
     controller, url = start_service(tiny_llama_dir, **{
-        "autoscaler": {"enabled": True, "profile": str(profile), "ttft_slo_s": 30.0, "tpot_slo_s": slo,
+        "autoscaler": {"enabled": True, "profile": str(profile), "ttft_slo_s": 30.0, "tpot_slo_s": TPOT_SLO_S,
                        "interval_s": 2.0, "window_s": 6.0, "cooldown_s": 6.0, "min_samples": 3},
         "decode.max_replicas": 3, "prefill.max_replicas": 1, "prefill.min_replicas": 1})
     try:

@@ -6,11 +6,11 @@ import random
 
 import aiohttp
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
-from tests.e2e.http import get, metric, post, stream
+from tests.e2e.http import ABORTED, get, metric, post, stream
 
 
 def prompts(n: int, seed: int):
@@ -38,7 +38,7 @@ def test_token_identity_with_the_offline_engine_streaming_and_not(service, offli
         status, out, _ = post(url + "/v1/completions", body)
         assert status == 200, out
         assert out["choices"][0]["token_ids"] == want
-        assert out["usage"] == {"prompt_tokens": len(p), "completion_tokens": 12, "total_tokens": len(p) + 12}
+        assert_usage(out["usage"], len(p), 12)
 
     async def streamed():
         async with aiohttp.ClientSession() as session:
@@ -75,6 +75,15 @@ def test_openai_client_works_unchanged(service):
     assert text
 
 
+def assert_usage(usage: dict, prompt_tokens: int, completion_tokens: int) -> None:
+    """OpenAI's usage object; cached prompt tokens are whole KV blocks, short of the prompt."""
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    assert usage == {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                     "total_tokens": prompt_tokens + completion_tokens,
+                     "prompt_tokens_details": {"cached_tokens": cached}}
+    assert 0 <= cached < prompt_tokens and cached % 16 == 0
+
+
 def test_64_concurrent_streams_complete_with_correct_usage(service):
     url = service["url"]
     ps = prompts(64, seed=5)
@@ -91,7 +100,7 @@ def test_64_concurrent_streams_complete_with_correct_usage(service):
     results = asyncio.run(run())
     for (events, done), p, n in zip(results, ps, lengths, strict=True):
         assert done
-        assert events[-1]["usage"] == {"prompt_tokens": len(p), "completion_tokens": n, "total_tokens": len(p) + n}
+        assert_usage(events[-1]["usage"], len(p), n)
         assert events[-2]["choices"][0]["finish_reason"] == "length"
 
 
@@ -107,6 +116,27 @@ def test_stop_strings_end_the_request(service):
                            "temperature": 0, "stop": [stop]})
     assert out["choices"][0]["finish_reason"] == "stop"
     assert out["choices"][0]["text"] == text[: text.find(stop)]
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_stop_strings_end_a_streaming_request(service, chat):
+    path, key = ("/v1/chat/completions", "messages") if chat else ("/v1/completions", "prompt")
+    body = {"model": "tiny", key: [{"role": "user", "content": "Hi"}] if chat else [5, 6, 7], "max_tokens": 40,
+            "ignore_eos": True, "temperature": 0, "stream": True}
+
+    def streamed_text(extra: dict) -> tuple[str, list[str]]:
+        status, out, _ = post(service["url"] + path, {**body, **extra})
+        assert status == 200 and out["done"], out
+        choices = [e["choices"][0] for e in out["events"] if e["choices"]]
+        text = "".join((c["delta"].get("content") or "") if chat else c["text"] for c in choices)
+        return text, [c["finish_reason"] for c in choices if c["finish_reason"]]
+
+    full, finishes = streamed_text({})
+    assert finishes == ["length"] and len(full) > 8
+    stop = full[4:7]
+    text, finishes = streamed_text({"stop": [stop]})
+    assert finishes == ["stop"]
+    assert text == full[: full.find(stop)] and stop not in text
 
 
 BAD_INPUTS = [
@@ -166,22 +196,21 @@ FIELDS = {"model": st.sampled_from(["tiny", "other", ""]) | JSON, "prompt": JSON
           "seed": JSON, "stop": JSON, "stream": st.booleans() | JSON, "messages": JSON, "n": JSON}
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
-@given(body=st.one_of(st.fixed_dictionaries({}, optional=FIELDS), JSON, st.binary(max_size=64)),
-       chat=st.booleans())
-def test_fuzzed_bodies_never_get_a_500(service, body, chat):
-    """Malformed: a 4xx with an OpenAI error object (never 5xx: not 500, not 502/503 either).
-    Valid: 200 and a complete response (a JSON completion, or an SSE stream when asked)."""
+def _answer(url: str, body, chat: bool) -> tuple[int, dict]:
+    """POST a body; assert the answer is well-formed for its status: 200 with a complete
+    completion (an SSE stream when the body asked to stream), or a 4xx with an OpenAI error
+    object (never a 5xx: not 500, not 502/503 either)."""
     raw = body if isinstance(body, bytes) else json.dumps(body)
-    status, out, headers = post(service["url"] + ("/v1/chat/completions" if chat else "/v1/completions"), raw)
+    status, out, _ = post(url + ("/v1/chat/completions" if chat else "/v1/completions"), raw)
+    event(f"HTTP {status}")
     if status != 200:
         assert 400 <= status < 500, (status, out)
         assert isinstance(out.get("error"), dict) and isinstance(out["error"]["message"], str), out
         assert out["error"]["message"], out
-        return
+        return status, out
     kind = "chat.completion" if chat else "text_completion"
     if isinstance(body, dict) and body.get("stream") is True:
-        assert headers["Content-Type"].startswith("text/event-stream"), headers
+        assert "events" in out, out  # what `post` makes of a text/event-stream answer
         assert out["done"] and out["events"], out
         assert not [e for e in out["events"] if "error" in e], out
         assert {e["object"] for e in out["events"]} == {kind + ".chunk" if chat else kind}
@@ -190,6 +219,45 @@ def test_fuzzed_bodies_never_get_a_500(service, body, chat):
     else:
         assert out["object"] == kind and out["choices"][0]["finish_reason"] in ("stop", "length"), out
         assert out["usage"]["completion_tokens"] >= 1
+    return status, out
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=st.one_of(st.fixed_dictionaries({}, optional=FIELDS), JSON, st.binary(max_size=64)),
+       chat=st.booleans())
+@example(body={"model": "tiny", "stream": True, "prompt": [0]}, chat=False)  # once read as JSON by mistake
+@example(body={"model": "tiny", "stream": True, "messages": [{"role": "user", "content": ""}]}, chat=True)
+def test_fuzzed_bodies_never_get_a_500(service, body, chat):
+    _answer(service["url"], body, chat)
+
+
+# Bodies one or two fields away from valid ones, with what the API documents as valid for each.
+NEAR = {"max_tokens": (st.integers(-1, 4), lambda v: v >= 1),
+        "temperature": (st.floats(-0.5, 2.5), lambda v: 0 <= v <= 2),
+        "top_p": (st.floats(0, 1.5), lambda v: 0 < v <= 1),
+        "seed": (st.integers(-1, 3), lambda v: v >= 0),
+        "stop": (st.lists(st.text(max_size=3), max_size=5), lambda v: len(v) <= 4 and all(v)),
+        "ignore_eos": (st.booleans(), lambda v: True),
+        "stream": (st.booleans(), lambda v: True),
+        "stream_options": (st.fixed_dictionaries({"include_usage": st.booleans()}), lambda v: True)}
+ROLES = st.sampled_from(["user", "system", "assistant", "robot"])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(chat=st.booleans(), fields=st.fixed_dictionaries({}, optional={k: s for k, (s, _) in NEAR.items()}),
+       prompt=st.lists(st.integers(0, 49151), min_size=1, max_size=5) | st.text(min_size=1, max_size=20),
+       messages=st.lists(st.fixed_dictionaries({"role": ROLES, "content": st.text(max_size=10)}), max_size=2))
+@example(chat=False, fields={"stream": True}, prompt=[0], messages=[])
+def test_near_valid_bodies_get_a_200_exactly_when_valid(service, chat, fields, prompt, messages):
+    body = {"model": "tiny", **fields, **({"messages": messages} if chat else {"prompt": prompt})}
+    wrong = [k for k, v in fields.items() if not NEAR[k][1](v)]
+    if chat and (not messages or any(m["role"] == "robot" for m in messages)):
+        wrong.append("messages")
+    status, out = _answer(service["url"], body, chat)
+    if wrong:
+        assert status in (400, 422) and any(k in out["error"]["message"] for k in wrong), (wrong, out)
+    else:
+        assert status == 200, out
 
 
 def test_still_serving_and_idle_after_everything(service):
@@ -260,13 +328,3 @@ def test_health_models_metrics(service):
     for name in ("pdserve_ttft_seconds_bucket", 'pdserve_pool_kv_usage{pool="decode"}',
                  'pdserve_pool_queue_depth{pool="prefill"}', 'pdserve_pool_workers{pool="decode"}'):
         assert name in text
-
-
-def test_admin_endpoints_need_the_token(service):
-    url = service["url"]
-    assert get(url + "/admin/status")[0] == 401
-    assert get(url + "/admin/status", {"Authorization": "Bearer wrong"})[0] == 401
-    status, text = get(url + "/admin/status", {"Authorization": "Bearer secret-token"})
-    assert status == 200 and json.loads(text)["pools"]["decode"]["target"] == 1
-    status, out, _ = post(url + "/admin/scale", {"decode": 0}, {"Authorization": "Bearer secret-token"})
-    assert status == 422 and "decode" in out["error"]["message"]

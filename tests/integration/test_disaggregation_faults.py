@@ -63,6 +63,8 @@ def test_abort_at_every_stage_frees_both_sides(workers, transport, how):
     from protos import pdserve_pb2 as pb
 
     d, p = workers["d"].address, workers["p"].address
+    # prompts of their own: no prefix cached by an earlier case may shorten a stage
+    seed = 1000 * (2 * ["torch", "grpc"].index(transport) + ["cancel", "abort_rpc"].index(how))
 
     async def abort(stub, call, request_id):
         if how == "cancel":
@@ -84,24 +86,26 @@ def test_abort_at_every_stage_frees_both_sides(workers, transport, how):
         async with d_channel, p_channel:
             finished = (await wait_idle(d_stub)).num_finished
             # 1. decoding: a long request (600 prompt tokens, up to 424 more), aborted after its first token
-            hog = d_stub.Generate(generate_request(f"hog-{how}-{transport}", ids_of(600, 1), LONG, [p], transport))
+            hog = d_stub.Generate(generate_request(f"hog-{how}-{transport}", ids_of(600, seed + 1), LONG, [p],
+                                                   transport))
             await hog.read()
             # 2. queued for blocks behind it on the decode worker (44 blocks needed, at most 41 free)
-            queued = d_stub.Generate(generate_request(f"q-{how}-{transport}", ids_of(700, 2), LONG, [p], transport))
+            queued = d_stub.Generate(generate_request(f"q-{how}-{transport}", ids_of(700, seed + 2), LONG, [p],
+                                                      transport))
             await poll(d_stub, lambda s: s.num_waiting >= 1)
             await abort(d_stub, queued, f"q-{how}-{transport}")
             await abort(d_stub, hog, f"hog-{how}-{transport}")
             await assert_idle((d, "d"), (p, "p"))
             # 3. prefilling on the prefill worker (8-token chunks of a 900-token prompt)
             rid = f"pf-{how}-{transport}"
-            call = d_stub.Generate(generate_request(rid, ids_of(900, 3), LONG, [p], transport))
+            call = d_stub.Generate(generate_request(rid, ids_of(900, seed + 3), LONG, [p], transport))
             await poll(p_stub, lambda s: s.num_running >= 1 and s.queued_prefill_tokens > 0)
             await abort(d_stub, call, rid)
             await assert_idle((d, "d"), (p, "p"))
             # 4. every other moment, transfers included: abort after a sweep of delays
             for i, delay in enumerate([0.0, 0.01, 0.03, 0.06, 0.1, 0.15, 0.25, 0.4]):
                 rid = f"sweep-{how}-{transport}-{i}"
-                call = d_stub.Generate(generate_request(rid, ids_of(120, 10 + i), LONG, [p], transport))
+                call = d_stub.Generate(generate_request(rid, ids_of(120, seed + 10 + i), LONG, [p], transport))
                 await asyncio.sleep(delay)
                 await abort(d_stub, call, rid)
             await assert_idle((d, "d"), (p, "p"))
