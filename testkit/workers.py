@@ -23,7 +23,40 @@ CLUSTER_TOKEN = "testkit-cluster-token-0123456789"  # what the workers started h
 SECURITY = Security(CLUSTER_TOKEN)
 
 
-class WorkerProcess:
+class _Process:
+    """A pdserve subprocess with its output in `log_path`; a context manager."""
+
+    proc: subprocess.Popen
+    log_path: Path
+    _log_tail = 4000
+
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text()[-self._log_tail:]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._log.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class WorkerProcess(_Process):
     """A worker subprocess. Use as a context manager, or call `stop()`. A decode worker
     prefills every request remotely (`--local-prefill-max-tokens 0`) unless told otherwise."""
 
@@ -47,31 +80,6 @@ class WorkerProcess:
                 raise RuntimeError(f"{role} worker not ready after {ready_timeout_s}s:\n{self.log()}")
             time.sleep(0.1)
         self.address = ready.read_text().strip()
-
-    def log(self) -> str:
-        if not self._log.closed:
-            self._log.flush()
-        return self.log_path.read_text()[-4000:]
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self._log.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def decode_stub(address: str, security: Security = SECURITY) -> tuple[grpc.aio.Channel, pb_grpc.DecodeWorkerStub]:
@@ -139,9 +147,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class RouterProcess:
+class RouterProcess(_Process):
     """The bare router (`python -m router`) over worker processes, its output in a log file.
     `env` values of None remove that variable. Use as a context manager, or call `stop()`."""
+
+    _log_tail = 1 << 30  # tests read the whole log
 
     def __init__(self, model: str, prefill: list[str], decode: list[str], *args: str,
                  served_model_name: str = "tiny", env: dict | None = None, ready_timeout_s: float = 120.0) -> None:
@@ -171,24 +181,3 @@ class RouterProcess:
                 self.stop()
                 raise RuntimeError(f"router not ready after {ready_timeout_s}s:\n{self.log()}")
             time.sleep(0.2)
-
-    def log(self) -> str:
-        if not self._log.closed:
-            self._log.flush()
-        return self.log_path.read_text()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
