@@ -73,7 +73,11 @@ async def chat_session(session, url: str, row: dict, start: float, time_scale: f
     history, results = list(row["system_prompt_ids"]), []
     for turn in row["turns"]:
         history += turn["user_ids"]
-        result = await completion(session, url, history, turn["max_tokens"])
+        try:
+            result = await completion(session, url, history, turn["max_tokens"])
+        except (RuntimeError, AssertionError, aiohttp.ClientError) as exc:
+            results.append({"error": str(exc)})
+            return results  # a chat whose turn failed ends there, as its user would
         history += result.pop("ids")
         results.append(result)
         await asyncio.sleep(turn.get("think_s", 0.0) * time_scale)
@@ -82,7 +86,10 @@ async def chat_session(session, url: str, row: dict, start: float, time_scale: f
 
 async def question(session, url: str, row: dict, start: float, time_scale: float) -> list[dict]:
     await asyncio.sleep(max(0.0, row["arrival_s"] * time_scale - (time.perf_counter() - start)))
-    result = await completion(session, url, row["prompt_token_ids"], row["max_tokens"])
+    try:
+        result = await completion(session, url, row["prompt_token_ids"], row["max_tokens"])
+    except (RuntimeError, AssertionError, aiohttp.ClientError) as exc:
+        return [{"error": str(exc)}]
     result.pop("ids")
     return [result]
 
@@ -106,13 +113,15 @@ def scrape(url: str) -> dict[str, float]:
 
 
 def summarize(results: list[dict], wall_s: float, before: dict, after: dict) -> dict:
+    failed = [r["error"] for r in results if "error" in r]
+    results = [r for r in results if "error" not in r]
     ttft = [r["ttft_s"] for r in results]
     tpot = [r["tpot_s"] for r in results if r["tpot_s"] is not None]
     prompt = sum(r["prompt_tokens"] for r in results)
     cached = sum(r["cached_tokens"] for r in results)
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     return {
-        "requests": len(results), "wall_s": wall_s,
+        "requests": len(results), "failed": len(failed), "first_errors": failed[:3], "wall_s": wall_s,
         "ttft_s": {"p50": percentile(ttft, 50), "p90": percentile(ttft, 90)},
         "tpot_s": {"p50": percentile(tpot, 50), "p90": percentile(tpot, 90)},
         "prompt_tokens": prompt, "prompt_tokens_computed": prompt - cached,

@@ -146,3 +146,37 @@ def test_tls_between_router_side_decode_and_prefill(tiny_llama_dir, tmp_path):
     assert finish == "length" and len(tokens) == 6
     assert prefilled_by not in ("", "local"), "the decode worker must reach the prefill worker over TLS"
     assert plain_code == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.skipif(subprocess.run(["which", "openssl"], capture_output=True).returncode != 0,
+                    reason="needs the openssl command to make a test certificate")
+def test_router_serves_https(tmp_path, smollm2_dir):
+    import ssl
+    import time
+    import urllib.error
+    import urllib.request
+
+    from testkit.workers import CLUSTER_TOKEN, free_port
+
+    cert, key = _self_signed(tmp_path)
+    port = free_port()
+    router = subprocess.Popen([sys.executable, "-m", "router", "--model", str(smollm2_dir), "--port", str(port),
+                               "--decode", "127.0.0.1:1", "--https-cert", str(cert), "--https-key", str(key)],
+                              cwd=ROOT, env={**os.environ, "PDSERVE_CLUSTER_TOKEN": CLUSTER_TOKEN},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    context = ssl.create_default_context(cafile=str(cert))
+    try:
+        deadline, answer = time.monotonic() + 60, None
+        while answer is None and time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"https://127.0.0.1:{port}/health", context=context, timeout=2)
+            except urllib.error.HTTPError as exc:  # 503: serving, no decode worker yet
+                answer = exc.code
+            except OSError:
+                time.sleep(0.2)
+        assert answer == 503, "the router did not answer over verified HTTPS"
+        with pytest.raises(OSError):  # plain HTTP on the same port is not served
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+    finally:
+        router.terminate()
+        router.wait(15)
