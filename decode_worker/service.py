@@ -54,6 +54,7 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
         self._seeds = random.Random()
         self.num_failed_legs = 0
         self.prefill_decisions: dict[str, int] = {}  # "where/reason" -> count
+        self._abort_requested: set[str] = set()
         self.profile = Profile.load(config.prefill_profile) if config.prefill_profile else None
         self.kv_bytes_received = 0
 
@@ -93,6 +94,9 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
     async def Abort(self, request, context) -> pb.AbortReply:
         admission = self._admissions.get(request.request_id)
         if admission is not None and not admission.done():
+            # remembered too: on Python 3.11 asyncio.wait_for can swallow a cancel that lands
+            # as the prefill leg completes, and the admission would then go on
+            self._abort_requested.add(request.request_id)
             admission.cancel()
             return pb.AbortReply(found=True)
         async with self.aengine.lock:
@@ -129,6 +133,9 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
                 return
             finally:
                 self._admissions.pop(request_id, None)
+            if request_id in self._abort_requested:  # aborted while admitted: see Abort
+                yield pb.GenerateChunk(finish_reason="abort", num_prompt_tokens=len(ids))
+                return  # `finally` below aborts it in the engine and frees its blocks
             if first is not None:
                 finished = first.finished
                 yield self._chunk(first, prefilled_by)
@@ -140,6 +147,7 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
                 first_chunk = False
         finally:
             self.aengine.listeners.pop(request_id, None)
+            self._abort_requested.discard(request_id)
             if not finished:  # client gone or error: abort wherever the request is
                 admission.cancel()
                 asyncio.get_running_loop().create_task(self._forget(request_id))
