@@ -51,6 +51,7 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
         self.prefill = PrefillClient(self)
         self._block_waiters: deque[tuple[str, int, asyncio.Future]] = deque()
         self._admissions: dict[str, asyncio.Task] = {}
+        self._awaiting_kv: set[str] = set()  # blocks reserved, remote prefill leg not yet done
         self._seeds = random.Random()
         self.num_failed_legs = 0
         self.prefill_decisions: dict[str, int] = {}  # "where/reason" -> count
@@ -79,7 +80,7 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
         queued = self._queued_prompt_tokens()
         return self._worker_stats(
             num_waiting=len(scheduler.waiting) + len(self._block_waiters), num_running=len(scheduler.running),
-            num_waiting_for_kv=len(self.table), queued_prefill_tokens=queued,
+            num_waiting_for_kv=len(self._awaiting_kv), queued_prefill_tokens=queued,
             num_failed_transfers=self.num_failed_legs, prefill_decisions=self.prefill_decisions,
             kv_bytes_received=self.kv_bytes_received,
         )
@@ -174,24 +175,13 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
         self._decided(where, reason)
         if where == "remote":
             cached = await self._reserve(request_id, ids)
-            for address in addresses[:2]:
-                try:
-                    first_token, prefill_id, prefill_cached = await asyncio.wait_for(
-                        self.prefill.run(address, request_id, ids, params, transport, cached),
-                        timeout=self.config.kv_transfer_timeout_s)
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:  # noqa: BLE001 - any failure: next prefill worker
-                    self.num_failed_legs += 1
-                    logger.warning("request_id=%s prefill leg on %s failed: %s", request_id,
-                                   address, str(exc) or type(exc).__name__)  # a timeout's str() is ""
-                    continue
-                async with self.aengine.lock:
-                    output = self.engine.add_prefilled_request(request_id, ids, params, first_token,
-                                                               prefill_cached)
-                self.aengine.wake()
-                self._serve_block_waiters()  # it may have finished at once, freeing blocks
-                return output, prefill_id
+            self._awaiting_kv.add(request_id)
+            try:
+                output = await self._prefill_remotely(request_id, ids, params, addresses, transport, cached)
+            finally:
+                self._awaiting_kv.discard(request_id)
+            if output is not None:
+                return output
             logger.warning("request_id=%s prefilling locally after remote failures", request_id)
             self._decided("local", "remote_failed")
         async with self.aengine.lock:
@@ -199,6 +189,31 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
             self.engine.add_request(request_id, ids, params, detokenize=False)
         self.aengine.wake()
         return None, "local"
+
+    async def _prefill_remotely(self, request_id: str, ids: list[int], params: SamplingParams,
+                                addresses: list[str], transport: str,
+                                cached: int) -> tuple[RequestOutput | None, str] | None:
+        """Try the first two prefill workers in turn; admit the request with the first token
+        one of them sends. None when both failed (the blocks stay reserved)."""
+        for address in addresses[:2]:
+            try:
+                first_token, prefill_id, prefill_cached = await asyncio.wait_for(
+                    self.prefill.run(address, request_id, ids, params, transport, cached),
+                    timeout=self.config.kv_transfer_timeout_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - any failure: next prefill worker
+                self.num_failed_legs += 1
+                logger.warning("request_id=%s prefill leg on %s failed: %s", request_id,
+                               address, str(exc) or type(exc).__name__)  # a timeout's str() is ""
+                continue
+            async with self.aengine.lock:
+                output = self.engine.add_prefilled_request(request_id, ids, params, first_token,
+                                                           prefill_cached)
+            self.aengine.wake()
+            self._serve_block_waiters()  # it may have finished at once, freeing blocks
+            return output, prefill_id
+        return None
 
     def _where_to_prefill(self, num_tokens: int, cached: int, have_prefill: bool,
                           prefill_queued_tokens: int = 0) -> tuple[str, str]:
@@ -245,7 +260,7 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
             engine = self.engine
             while self._block_waiters:
                 request_id, ids, future = self._block_waiters[0]
-                busy = len(engine.scheduler.requests) + len(self.table)
+                busy = len(engine.scheduler.requests) + len(self._awaiting_kv)
                 needed = engine.block_manager.blocks_for_tokens(len(ids))
                 # keep a block per running request free for its next token
                 headroom = engine.block_manager.num_free_blocks - needed - len(engine.scheduler.running)
