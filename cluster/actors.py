@@ -101,6 +101,9 @@ class RouterActor:
     async def ping(self) -> bool:
         return self.task is not None and not self.task.done()
 
+    async def routing_summary(self) -> dict:
+        return self.server.router.routing_summary()
+
     async def _watch_autoscaler(self, controller) -> None:
         """Mirror the controller's autoscaler state into the router's /metrics."""
         while True:

@@ -2,7 +2,8 @@
 DistServe-style planner).
 
 Every interval: take the router's recent observations (arrival rate, prompt and output
-lengths, TTFT and TPOT percentiles); simulate the current pool sizes at that load with the
+lengths with each prompt's cached tokens: the observed prefix-cache hits, TTFT and TPOT
+percentiles); simulate the current pool sizes at that load with the
 profile; correct the profile by observed/predicted latency (smoothed); plan instances per
 pool with the corrected profile; move each pool toward its plan within [min, max] --
 up as soon as the cooldown since its last change has passed, down only once the plan
@@ -41,15 +42,17 @@ class Decision:
 
 class Autoscaler:
     def __init__(self, profile: Profile, slo: SLO, bounds: dict[str, tuple[int, int]], cooldown_s: float,
-                 min_samples: int = 5, clock: Callable[[], float] = time.monotonic) -> None:
+                 min_samples: int = 5, clock: Callable[[], float] = time.monotonic,
+                 local_prefill_max_tokens: int = 0) -> None:
         self.profile, self.slo, self.bounds = profile, slo, bounds
+        self.local_prefill_max_tokens = local_prefill_max_tokens
         self.cooldown_s, self.min_samples, self.clock = cooldown_s, min_samples, clock
         self.correction = {"prefill": 1.0, "decode": 1.0}
         self.last_change = {role: -math.inf for role in ROLES}
         self.below_since: dict[str, float | None] = {role: None for role in ROLES}
 
     def decide(self, observed: dict, current: dict[str, int], overridden: set[str] = frozenset()) -> Decision:
-        """`observed`: rate (req/s), count, lengths [(prompt, output)], ttft_p and tpot_p (s)."""
+        """`observed`: rate (req/s), count, lengths [(prompt, output[, cached])], ttft_p and tpot_p (s)."""
         now = self.clock()
         if observed["count"] and observed["count"] < self.min_samples:
             return Decision(now, observed, dict(self.correction), dict(current), {}, "too few samples; holding")
@@ -84,11 +87,12 @@ class Autoscaler:
         lengths = observed["lengths"]
         self._update_correction(observed, current, lengths)
         corrected = self.profile.scaled(prefill=self.correction["prefill"], decode=self.correction["decode"])
+        local = self.local_prefill_max_tokens
         capacity = {
-            "prefill": phase_curve(corrected, lengths, "prefill", self.slo.percentile, 150).capacity(
-                self.slo, True, False),
-            "decode": phase_curve(corrected, lengths, "decode", self.slo.percentile, 150).capacity(
-                self.slo, False, True),
+            "prefill": phase_curve(corrected, lengths, "prefill", self.slo.percentile, 150,
+                                   local_prefill_max_tokens=local).capacity(self.slo, True, False),
+            "decode": phase_curve(corrected, lengths, "decode", self.slo.percentile, 150,
+                                  local_prefill_max_tokens=local).capacity(self.slo, False, True),
         }
         return {role: self._clamp(role, math.ceil(rate / capacity[role]) if capacity[role] > 0 else 1 << 20)
                 for role in ROLES}
@@ -96,7 +100,8 @@ class Autoscaler:
     def _update_correction(self, observed: dict, current: dict[str, int], lengths) -> None:
         work = poisson(observed["rate"], 150, lengths, seed=7)
         corrected = self.profile.scaled(prefill=self.correction["prefill"], decode=self.correction["decode"])
-        predicted = simulate(corrected, work, max(1, current["prefill"]), max(1, current["decode"]))
+        predicted = simulate(corrected, work, max(1, current["prefill"]), max(1, current["decode"]),
+                             local_prefill_max_tokens=self.local_prefill_max_tokens)
         for role, key, which in (("prefill", "ttft_p", "ttft_s"), ("decode", "tpot_p", "tpot_s")):
             seen, model = observed.get(key), predicted.percentile(which, self.slo.percentile)
             if seen and model > 0:

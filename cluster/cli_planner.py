@@ -32,6 +32,12 @@ def add_commands(sub) -> None:
     plan.add_argument("--percentile", type=float, default=90.0, help="SLO percentile of TTFT and TPOT (default: 90)")
     plan.add_argument("--rate", type=float, default=None, help="requests/s (default: the trace's rate)")
     plan.add_argument("--trace", default=None, help=f"workload JSONL for lengths (default: {DEFAULT_TRACE.name})")
+    plan.add_argument("--prefix-hit-rate", type=float, default=None,
+                      help="fraction of prompt tokens found in prefix caches, e.g. `pdserve status`'s cache "
+                           "hits (default: measured from the trace's token ids; 0 when it has only lengths)")
+    plan.add_argument("--local-prefill-max-tokens", type=int, default=256,
+                      help="decode workers prefill a prompt themselves when their cache lacks at most this "
+                           "many tokens (the workers' setting; default: 256)")
     plan.add_argument("--out", default="plan.yaml", help="plan to write (for `pdserve up/scale --plan`)")
     plan.add_argument("--png", default=None, help="attainment-vs-rate plot (default: beside --out)")
     plan.set_defaults(func=_plan)
@@ -64,33 +70,39 @@ def _profile(args) -> int:
 
 def _plan(args) -> int:
     from cluster.planner.search import SLO, make_plan
-    from cluster.planner.workload import load_trace, trace_rate
+    from cluster.planner.workload import hit_rate, load_trace, trace_rate, with_hit_rate
     from engine.profile import Profile
 
     profile = Profile.load(args.profile)
     trace = load_trace(args.trace or DEFAULT_TRACE)
+    if args.prefix_hit_rate is not None:
+        trace = with_hit_rate(trace, args.prefix_hit_rate)
+    if args.local_prefill_max_tokens < 0:
+        raise ValueError("--local-prefill-max-tokens must be >= 0")
     rate = args.rate or trace_rate(trace)
     slo = SLO(args.ttft_slo, args.tpot_slo, args.percentile)
-    plan = make_plan(profile, slo, rate, trace)
+    plan = make_plan(profile, slo, rate, trace, local_prefill_max_tokens=args.local_prefill_max_tokens)
     print(f"rate {rate:.3f} req/s, SLOs: TTFT p{slo.percentile:g} <= {slo.ttft_s}s, "
-          f"TPOT p{slo.percentile:g} <= {slo.tpot_s * 1000:.0f}ms")
+          f"TPOT p{slo.percentile:g} <= {slo.tpot_s * 1000:.0f}ms, prefix-cache hit rate {hit_rate(trace):.1%}, "
+          f"local prefill up to {args.local_prefill_max_tokens} uncached tokens")
     print(plan.table())
     print(f"one instance sustains: prefill {plan.capacity['prefill']:.3f}/s, decode "
           f"{plan.capacity['decode']:.3f}/s, colocated {plan.capacity['colocated']:.3f}/s")
     if plan.note:
         print(plan.note)
-    document = {"rate": rate, "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "percentile": slo.percentile},
+    document = {"rate": rate, "prefix_hit_rate": hit_rate(trace),
+                "local_prefill_max_tokens": args.local_prefill_max_tokens, "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "percentile": slo.percentile},
                 "feasible": plan.feasible, "prefill": {"replicas": plan.prefill},
                 "decode": {"replicas": plan.decode}, "colocated": {"replicas": plan.colocated},
                 "capacity_per_instance": plan.capacity, "predicted": plan.predicted, "note": plan.note}
     Path(args.out).write_text(yaml.safe_dump(document, sort_keys=False))
     png = args.png or str(Path(args.out).with_suffix(".png"))
-    plot_attainment(profile, slo, trace, plan, png)
+    plot_attainment(profile, slo, trace, plan, png, args.local_prefill_max_tokens)
     print(f"wrote {args.out} and {png}")
     return 0
 
 
-def plot_attainment(profile, slo, trace, plan, path: str) -> None:
+def plot_attainment(profile, slo, trace, plan, path: str, local_prefill_max_tokens: int = 0) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -104,7 +116,8 @@ def plot_attainment(profile, slo, trace, plan, path: str) -> None:
     disagg, coloc = [], []
     for rate in rates:
         work = poisson(rate, 300, lengths, seed=2)
-        disagg.append(predict(profile, slo, work, plan.prefill, plan.decode, False)["attainment"])
+        disagg.append(predict(profile, slo, work, plan.prefill, plan.decode, False,
+                              local_prefill_max_tokens)["attainment"])
         coloc.append(predict(profile, slo, work, 0, plan.colocated, True)["attainment"])
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(rates, disagg, marker="o", label=f"disaggregated {plan.prefill}P+{plan.decode}D")

@@ -152,6 +152,12 @@ def _status(args) -> int:
         print(json.dumps(status, indent=2))
         return 0
     print(f"router: {status['router']}   model: {status['model']}")
+    routing = status.get("routing") or {}
+    index = routing.get("index", {})
+    if routing:
+        expected, actual = routing["expected_cached_tokens"], routing["actual_cached_tokens"]
+        print(f"routing: {routing['policy']}   cached prompt tokens: the router expected {expected}, "
+              f"the workers found {actual}")
     for role, pool in status["pools"].items():
         print(f"{role} pool: target {pool['target']}, {len(pool['workers'])} worker(s)")
         for w in pool["workers"]:
@@ -160,10 +166,12 @@ def _status(args) -> int:
             kv = f"{100 * (1 - s.get('num_free_blocks', 0) / total):.1f}%" if total else "-"
             looked_up = s.get("prefix_cache_query_tokens") or 0
             hit = f"{100 * s.get('prefix_cache_hit_tokens', 0) / looked_up:.1f}%" if looked_up else "-"
+            held = index.get(w["worker_id"], {})
+            indexed = f"{held['held']}+{held['expected']}" if held else "-"
             print(f"  {w['worker_id'] or '(starting)':14} {w['address'] or '-':22} {w['state']:9} "
                   f"running {s.get('num_running', '-')!s:>4}  waiting {s.get('num_waiting', '-')!s:>4}  "
                   f"queued prefill tokens {s.get('queued_prefill_tokens', '-')!s:>6}  KV used {kv}  "
-                  f"cache hits {hit}")
+                  f"cache hits {hit}  router index {indexed} blocks")
     auto = status.get("autoscaler") or {}
     if auto.get("enabled"):
         overridden = ", ".join(auto["overridden"]) or "none"

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from engine.config import DEFAULT_MODEL, EngineConfig
 from protos.security import TOKEN_ENV, Security, new_token, resolve_token
+from router.policies import CacheAwareWeights
 
 
 class PoolSpec(BaseModel):
@@ -40,11 +41,22 @@ class PoolSpec(BaseModel):
         return value
 
 
+class CacheAwareSpec(BaseModel):
+    """The cache-aware policy's exchange rates, in prompt tokens (router.policies.CacheAwareWeights)."""
+
+    model_config = ConfigDict(extra="forbid")
+    request_tokens: int = Field(CacheAwareWeights.request_tokens, ge=0,
+                                description="what one open request on a decode worker is worth")
+    kv_tokens: int = Field(CacheAwareWeights.kv_tokens, ge=0, description="what a full KV cache is worth")
+
+
 class RouterSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    routing: Literal["least-loaded", "round-robin"] = "least-loaded"
+    routing: Literal["cache-aware", "least-loaded", "round-robin"] = Field(
+        "cache-aware", description="cache-aware: where the prompt's KV is cached, traded against load")
+    cache_aware: CacheAwareSpec = Field(default_factory=lambda: CacheAwareSpec())
     max_inflight_requests: int = Field(256, ge=1)
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     admin_token: str | None = Field(None, description="bearer token for /admin (or env PDSERVE_ADMIN_TOKEN)")

@@ -27,6 +27,7 @@ from cluster.actors import RouterActor, WorkerActor
 from cluster.config import ServeConfig
 from engine.logs import setup_logging
 from router.auth import api_keys_from
+from router.policies import CacheAwareWeights
 
 logger = logging.getLogger(__name__)
 NAMESPACE = "pdserve"
@@ -83,6 +84,7 @@ class Controller:
         cfg = self.config
         router_kwargs = dict(model=cfg.model, served_model_name=cfg.name, host=cfg.router.host,
                              port=cfg.router.port, routing=cfg.router.routing,
+                             cache_aware=CacheAwareWeights(**cfg.router.cache_aware.model_dump()),
                              max_inflight_requests=cfg.router.max_inflight_requests,
                              max_body_bytes=cfg.router.max_body_bytes, admin_token=cfg.admin_token(),
                              kv_transport=cfg.kv_transport, request_timeout_s=cfg.router.request_timeout_s,
@@ -127,8 +129,12 @@ class Controller:
             pools[w.role]["workers"].append({**w.member(), "stats": s})
         autoscaler = {"enabled": self.autoscaler is not None, "overridden": sorted(self.manual),
                       "decisions": list(self.decisions)[-5:]}
+        try:
+            routing = await asyncio.wait_for(self.router.routing_summary.remote(), 3) if self.router else None
+        except Exception:  # noqa: BLE001 - shown as unknown
+            routing = None
         return {"router": self.router_url, "model": self.config.name, "pools": pools, "events": list(self.events),
-                "autoscaler": autoscaler}
+                "autoscaler": autoscaler, "routing": routing}
 
     async def autoscaler_summary(self) -> dict | None:
         """The latest decision (for the router's metrics), or None when autoscaling is off."""
@@ -186,7 +192,8 @@ class Controller:
         bounds = {role: (max(self.config.pool(role).min_replicas, 1 if role == "decode" else 0),
                          self.config.pool(role).max_replicas) for role in ROLES}
         return Autoscaler(Profile.load(spec.profile), SLO(spec.ttft_slo_s, spec.tpot_slo_s, spec.percentile),
-                          bounds, spec.cooldown_s, spec.min_samples)
+                          bounds, spec.cooldown_s, spec.min_samples,
+                          local_prefill_max_tokens=self.config.local_prefill_max_tokens)
 
     async def _autoscale_loop(self) -> None:
         spec = self.config.autoscaler

@@ -26,6 +26,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 
 from engine.block_hash import block_hash
+from engine.cache_events import CacheDelta, CacheEventLog
 
 
 class BlockManager:
@@ -42,6 +43,7 @@ class BlockManager:
         self._by_hash: dict[bytes, int] = {}
         self._tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[bytes]] = {}  # per request: hashes of its full computed blocks
+        self.events = CacheEventLog()  # blocks indexed and evicted, for routers (cache_events)
 
     @property
     def num_free_blocks(self) -> int:
@@ -116,6 +118,7 @@ class BlockManager:
             if digest not in self._by_hash and self._hash_of[block] is None:
                 self._by_hash[digest] = block  # else: the same content is cached already
                 self._hash_of[block] = digest
+                self.events.stored(digest)
 
     def free(self, request_id: str) -> int:
         """Drop the request's references (last block first, so a prefix outlives its tail
@@ -143,8 +146,13 @@ class BlockManager:
             return self._free.popleft()
         block, _ = self._evictable.popitem(last=False)
         del self._by_hash[self._hash_of[block]]
+        self.events.removed(self._hash_of[block])
         self._hash_of[block] = None
         return block
+
+    def cache_events(self, cursor: int, max_events: int = 1 << 16) -> CacheDelta:
+        """Blocks indexed and evicted since `cursor` (engine.cache_events)."""
+        return self.events.since(cursor, lambda: self._by_hash.keys(), max_events)
 
     def check_integrity(self) -> None:
         """Raise naming the counts if any block is lost, double-counted, or mis-indexed."""

@@ -43,7 +43,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "layout", "kv_transports", "kv_endpoint", "max_model_len", "vocab_size")
+    __slots__ = ("worker_id", "role", "model", "layout", "kv_transports", "kv_endpoint", "max_model_len", "vocab_size", "cache_root", "prefix_caching")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,8 @@ class WorkerInfo(_message.Message):
     KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_ROOT_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     model: str
@@ -60,7 +62,9 @@ class WorkerInfo(_message.Message):
     kv_endpoint: str
     max_model_len: int
     vocab_size: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., kv_transports: _Optional[_Iterable[str]] = ..., kv_endpoint: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    cache_root: bytes
+    prefix_caching: bool
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., kv_transports: _Optional[_Iterable[str]] = ..., kv_endpoint: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., cache_root: _Optional[bytes] = ..., prefix_caching: bool = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
@@ -114,6 +118,24 @@ class WorkerStats(_message.Message):
     prefill_decisions: _containers.ScalarMap[str, int]
     prefix_cache_query_tokens: int
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting_for_kv: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_failed_transfers: _Optional[int] = ..., draining: bool = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., prefill_decisions: _Optional[_Mapping[str, int]] = ..., prefix_cache_query_tokens: _Optional[int] = ...) -> None: ...
+
+class CacheEventsRequest(_message.Message):
+    __slots__ = ("cursor",)
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    cursor: int
+    def __init__(self, cursor: _Optional[int] = ...) -> None: ...
+
+class CacheEventsReply(_message.Message):
+    __slots__ = ("next_cursor", "reset", "stored", "removed")
+    NEXT_CURSOR_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    next_cursor: int
+    reset: bool
+    stored: _containers.RepeatedScalarFieldContainer[int]
+    removed: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, next_cursor: _Optional[int] = ..., reset: bool = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -54,6 +54,11 @@ class DecodeWorkerStub(object):
                 request_serializer=protos_dot_pdserve__pb2.StatsRequest.SerializeToString,
                 response_deserializer=protos_dot_pdserve__pb2.WorkerStats.FromString,
                 _registered_method=True)
+        self.CacheEvents = channel.unary_unary(
+                '/pdserve.DecodeWorker/CacheEvents',
+                request_serializer=protos_dot_pdserve__pb2.CacheEventsRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve__pb2.CacheEventsReply.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer(object):
@@ -83,6 +88,12 @@ class DecodeWorkerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CacheEvents(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +116,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=protos_dot_pdserve__pb2.StatsRequest.FromString,
                     response_serializer=protos_dot_pdserve__pb2.WorkerStats.SerializeToString,
+            ),
+            'CacheEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.CacheEvents,
+                    request_deserializer=protos_dot_pdserve__pb2.CacheEventsRequest.FromString,
+                    response_serializer=protos_dot_pdserve__pb2.CacheEventsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -225,6 +241,33 @@ class DecodeWorker(object):
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def CacheEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.DecodeWorker/CacheEvents',
+            protos_dot_pdserve__pb2.CacheEventsRequest.SerializeToString,
+            protos_dot_pdserve__pb2.CacheEventsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class PrefillWorkerStub(object):
     """Missing associated documentation comment in .proto file."""
@@ -255,6 +298,11 @@ class PrefillWorkerStub(object):
                 request_serializer=protos_dot_pdserve__pb2.StatsRequest.SerializeToString,
                 response_deserializer=protos_dot_pdserve__pb2.WorkerStats.FromString,
                 _registered_method=True)
+        self.CacheEvents = channel.unary_unary(
+                '/pdserve.PrefillWorker/CacheEvents',
+                request_serializer=protos_dot_pdserve__pb2.CacheEventsRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve__pb2.CacheEventsReply.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer(object):
@@ -284,6 +332,12 @@ class PrefillWorkerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CacheEvents(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -306,6 +360,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=protos_dot_pdserve__pb2.StatsRequest.FromString,
                     response_serializer=protos_dot_pdserve__pb2.WorkerStats.SerializeToString,
+            ),
+            'CacheEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.CacheEvents,
+                    request_deserializer=protos_dot_pdserve__pb2.CacheEventsRequest.FromString,
+                    response_serializer=protos_dot_pdserve__pb2.CacheEventsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -416,6 +475,33 @@ class PrefillWorker(object):
             '/pdserve.PrefillWorker/Stats',
             protos_dot_pdserve__pb2.StatsRequest.SerializeToString,
             protos_dot_pdserve__pb2.WorkerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CacheEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.PrefillWorker/CacheEvents',
+            protos_dot_pdserve__pb2.CacheEventsRequest.SerializeToString,
+            protos_dot_pdserve__pb2.CacheEventsReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -31,7 +31,8 @@ from router.auth import APIKeyMiddleware
 from router.errors import APIError, install_handlers, validation_message
 from router.generation import Generation, GenerationError
 from router.metrics import RouterMetrics
-from router.policies import make_policy
+from router.cache_index import PromptKeys
+from router.policies import DEFAULT_POLICY, CacheAwareWeights, RouteRequest, make_policy
 from router.registry import WorkerRegistry
 
 logger = logging.getLogger("router")
@@ -43,7 +44,8 @@ class RouterConfig:
     served_model_name: str
     host: str = "127.0.0.1"
     port: int = 8000
-    routing: str = "least-loaded"
+    routing: str = DEFAULT_POLICY
+    cache_aware: CacheAwareWeights = CacheAwareWeights()
     max_inflight_requests: int = 256
     max_body_bytes: int = 4 * 1024 * 1024
     admin_token: str | None = None
@@ -67,11 +69,11 @@ class Router:
 
     def __init__(self, config: RouterConfig, registry: WorkerRegistry, controller=None) -> None:
         self.config, self.registry, self.controller = config, registry, controller
-        self.policy = make_policy(config.routing)
+        self.policy = make_policy(config.routing, config.cache_aware)
         self.metrics = RouterMetrics(registry)
         self.tokenizer = None
         self.inflight = 0
-        self.finished: deque = deque(maxlen=20000)  # (end, prompt, completion tokens, ttft, tpot)
+        self.finished: deque = deque(maxlen=20000)  # (end, prompt, completion tokens, ttft, tpot, cached)
 
     def observations(self, window_s: float, percentile: float = 90.0) -> dict:
         """What the autoscaler needs from the last `window_s` seconds of finished requests."""
@@ -79,9 +81,11 @@ class Router:
         recent = [r for r in self.finished if now - r[0] <= window_s]
         ttft = [r[3] for r in recent if r[3] is not None]
         tpot = [r[4] for r in recent if r[4] is not None]
+        prompt_tokens = sum(r[1] for r in recent)
         return {"count": len(recent), "rate": len(recent) / window_s, "ttft_p": stats.percentile(ttft, percentile),
                 "tpot_p": stats.percentile(tpot, percentile),
-                "lengths": [(r[1], max(1, r[2])) for r in recent][-500:], "inflight": self.inflight}
+                "hit_rate": sum(r[5] for r in recent) / prompt_tokens if prompt_tokens else 0.0,
+                "lengths": [(r[1], max(1, r[2]), r[5]) for r in recent][-500:], "inflight": self.inflight}
 
     async def start(self) -> None:
         from engine.model_source import resolve_model
@@ -91,14 +95,33 @@ class Router:
         self.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
         await self.registry.start()
 
-    def pick_decode(self, exclude: set[str] = frozenset()):
+    def routing_summary(self) -> dict:
+        """The policy and its cache index at a glance (`pdserve status`): per worker, the
+        blocks the index holds for it (reported, expected); overall, the cached prompt
+        tokens the index predicted vs those the workers found."""
+        index = self.registry.cache_index
+        workers = {v.worker_id: dict(zip(("held", "expected"), index.size(v.worker_id), strict=True))
+                   for role in ("decode", "prefill") for v in self.registry.workers(role, routable=False)}
+        return {"policy": self.policy.name, "index": workers,
+                "expected_cached_tokens": self.metrics.cached_tokens["expected"],
+                "actual_cached_tokens": self.metrics.cached_tokens["actual"]}
+
+    def route_request(self, prompt: PromptKeys, session: str | None) -> RouteRequest:
+        """What the policy knows of a request: its length, session, and the leading prompt
+        tokens each routable worker is expected to have cached."""
+        index = self.registry.cache_index
+        matched = {v.worker_id: index.matched_tokens(v.worker_id, prompt)
+                   for role in ("decode", "prefill") for v in self.registry.workers(role)}
+        return RouteRequest(len(prompt.token_ids), session, matched)
+
+    def pick_decode(self, route: RouteRequest, exclude: set[str] = frozenset()):
         workers = [w for w in self.registry.workers("decode") if w.worker_id not in exclude]
         if not workers:
             raise APIError(503, "no decode worker is available; retry later", headers={"Retry-After": "1"})
-        return self.policy.pick_decode(workers)
+        return self.policy.pick_decode(workers, route)
 
-    def order_prefill(self):
-        return self.policy.order_prefill(self.registry.workers("prefill"))
+    def order_prefill(self, route: RouteRequest, decode):
+        return self.policy.order_prefill(self.registry.workers("prefill"), route, decode)
 
 
 def build_app(router: Router) -> FastAPI:
@@ -217,9 +240,12 @@ async def _serve(request: Request, router: Router, body, ids: list[int], chat: b
         router.metrics.rejected.inc()
         raise APIError(429, f"server busy: {router.inflight} requests in flight (limit "
                             f"{router.config.max_inflight_requests}); retry later", headers={"Retry-After": "1"})
-    decode = router.pick_decode()  # 503 now, before a stream starts, if there is no decode worker
+    prompt = PromptKeys(ids)
+    route = router.route_request(prompt, body.user)
+    decode = router.pick_decode(route)  # 503 now, before a stream starts, if there is no decode worker
     rid = protocol.new_id("chatcmpl" if chat else "cmpl")
-    generation = Generation(router, rid, ids, params, decode)
+    decode.note_routed(rid)
+    generation = Generation(router, rid, prompt, params, route, decode)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         stream = _sse(router, generation, body.model, chat, include_usage, body.return_token_ids)
@@ -323,4 +349,5 @@ def _done(router: Router, generation: Generation) -> None:
     result = generation.result
     if result.finish_reason in ("stop", "length") and result.first_token_at is not None:
         router.finished.append((time.monotonic(), len(generation.prompt_ids), result.num_completion_tokens,
-                                result.first_token_at - generation.started, result.tpot_s(end)))
+                                result.first_token_at - generation.started, result.tpot_s(end),
+                                result.num_cached_tokens))

@@ -22,6 +22,8 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
 from protos import pdserve_pb2 as pb
 from protos.convert import sampling_to_proto
+from router.cache_index import PromptKeys
+from router.policies import RouteRequest
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +51,7 @@ class Result:
     decode_worker: str = ""
     prefilled_by: str = ""
     num_cached_tokens: int = 0  # prompt tokens reused from a prefix cache on the request's path
+    expected_cached_tokens: int = 0  # what the router's cache index predicted for that path
 
     def tpot_s(self, end: float) -> float | None:
         """Mean seconds per output token after the first, up to `end` (a perf_counter time);
@@ -59,11 +62,12 @@ class Result:
 
 
 class Generation:
-    def __init__(self, router, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 decode=None) -> None:
-        """`decode`: the decode worker already picked for the first attempt (None: pick one)."""
+    def __init__(self, router, request_id: str, prompt: PromptKeys, params: SamplingParams,
+                 route: RouteRequest, decode=None) -> None:
+        """`route`: what the policy knows of the request; `decode`: the decode worker already
+        picked for the first attempt (None: pick one)."""
         self.router, self.request_id = router, request_id
-        self.prompt_ids, self.params = prompt_ids, params
+        self.prompt, self.prompt_ids, self.params, self.route = prompt, prompt.token_ids, params, route
         self._first_decode = decode
         self.result = Result()
         self.started = time.perf_counter()
@@ -72,7 +76,7 @@ class Generation:
         tried: set[str] = set()
         for attempt in range(2):
             decode = self._first_decode if attempt == 0 and self._first_decode else \
-                self.router.pick_decode(exclude=tried)
+                self.router.pick_decode(self.route, exclude=tried)
             tried.add(decode.worker_id)
             try:
                 async for delta in self._stream_from(decode):
@@ -86,7 +90,7 @@ class Generation:
 
     async def _stream_from(self, decode) -> AsyncIterator[Delta]:
         router, params = self.router, self.params
-        prefill = router.order_prefill()[:2]
+        prefill = router.order_prefill(self.route, decode)[:2]
         request = pb.GenerateRequest(
             request_id=self.request_id, prompt_token_ids=self.prompt_ids,
             sampling=sampling_to_proto(params), prefill_addresses=[p.address for p in prefill],
@@ -96,7 +100,11 @@ class Generation:
         detok = IncrementalDetokenizer(router.tokenizer, self.prompt_ids, params.stop, params.skip_special_tokens)
         self.result.decode_worker = decode.worker_id
         call = decode.stub.Generate(request, timeout=router.config.request_timeout_s)
-        decode.inflight += 1
+        index = router.registry.cache_index
+        for worker in (decode, *prefill[:1]):  # the prompt's blocks will be cached there
+            index.expect(worker.worker_id, self.prompt)
+        output_ids: list[int] = []
+        decode.note_opened(self.request_id)
         if prefill:
             prefill[0].inflight_tokens += len(self.prompt_ids)
         worker_done = False  # the decode worker ended the request itself
@@ -106,15 +114,20 @@ class Generation:
                     self.result.first_token_at = time.perf_counter()
                     self.result.prefilled_by = chunk.prefilled_by
                     self.result.num_cached_tokens = chunk.num_cached_tokens
+                    self.result.expected_cached_tokens = self._expected_cached(decode, prefill, chunk.prefilled_by)
                     if prefill:
                         prefill[0].inflight_tokens -= len(self.prompt_ids)
                 text = "".join(detok.add_token(t) for t in chunk.token_ids if not detok.stopped)
                 self.result.num_completion_tokens += len(chunk.token_ids)
+                output_ids.extend(chunk.token_ids)
                 worker_done = bool(chunk.finish_reason)
                 finish = "stop" if detok.stopped else (chunk.finish_reason or None)
                 if finish:
                     text += detok.flush()
                     self.result.finish_reason = finish
+                    # the conversation so far stays cached on the decode worker (all but the
+                    # last token, whose KV was never computed): its next turn will look for it
+                    index.expect(decode.worker_id, PromptKeys(self.prompt_ids + output_ids))
                     yield Delta(text, list(chunk.token_ids), finish)
                     return
                 if text or chunk.token_ids:
@@ -135,6 +148,16 @@ class Generation:
                 prefill[0].inflight_tokens -= len(self.prompt_ids)
             if not worker_done:
                 call.cancel()  # stop string, client gone or error: abort on the workers
+
+
+    def _expected_cached(self, decode, prefill, prefilled_by: str) -> int:
+        """The cached prompt tokens the route predicted for the worker that prefilled."""
+        if prefilled_by == "local":
+            return self.route.cached_on(decode)
+        for worker in prefill:
+            if worker.worker_id == prefilled_by:
+                return self.route.cached_on(worker)
+        return 0
 
 
 class _RetryElsewhere(Exception):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 POOLS = ("prefill", "decode")
@@ -26,6 +26,9 @@ class WorkerTotals:
                                         labels=["where", "reason"])
         shipped = CounterMetricFamily("pdserve_kv_transfer_bytes", "KV bytes prefill workers shipped to decode "
                                       "workers", labels=["pool"])
+        worker_hit_rate = GaugeMetricFamily("pdserve_worker_prefix_cache_hit_rate",
+                                            "prompt tokens found in the worker's prefix cache / prompt tokens "
+                                            "looked up, since the worker started (0 before any)", labels=["pool", "worker"])
         by_decision: dict[tuple[str, str], int] = {}
         for pool in POOLS:
             stats = [v.stats for v in self.workers.workers(pool, routable=False) if v.stats is not None]
@@ -33,12 +36,14 @@ class WorkerTotals:
             hits.add_metric([pool], sum(s.prefix_cache_hit_tokens for s in stats))
             shipped.add_metric([pool], sum(s.kv_bytes_sent + s.kv_bytes_received for s in stats))
             for s in stats:
+                worker_hit_rate.add_metric([pool, s.worker_id],
+                                           s.prefix_cache_hit_tokens / max(1, s.prefix_cache_query_tokens))
                 for key, count in s.prefill_decisions.items():
                     where, _, reason = key.partition("/")
                     by_decision[where, reason] = by_decision.get((where, reason), 0) + count
         for (where, reason), count in sorted(by_decision.items()):
             decisions.add_metric([where, reason], count)
-        yield from (queries, hits, decisions, shipped)
+        yield from (queries, hits, decisions, shipped, worker_hit_rate)
 
 
 class RouterMetrics:
@@ -56,6 +61,11 @@ class RouterMetrics:
         self.ttft = Histogram("pdserve_ttft_seconds", "time to first token", buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("pdserve_tpot_seconds", "time per output token after the first",
                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.expected_cached = Counter("pdserve_router_expected_cached_tokens", "prompt tokens the router's cache "
+                                       "index expected the prefilling worker to have cached", registry=r)
+        self.actual_cached = Counter("pdserve_router_actual_cached_tokens", "prompt tokens the prefilling worker "
+                                     "found cached (compare with the expected: the index's accuracy)", registry=r)
+        self.cached_tokens = {"expected": 0, "actual": 0}  # the two counters above, readable
         self.e2e = Histogram("pdserve_e2e_seconds", "request latency", buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_depth = Gauge("pdserve_pool_queue_depth", "waiting requests per pool", ["pool"], registry=r)
         self.queued_tokens = Gauge("pdserve_pool_queued_prefill_tokens", "prompt tokens not yet computed",
@@ -86,6 +96,10 @@ class RouterMetrics:
         self.e2e.observe(end - generation.started)
         if result.first_token_at is not None:
             self.ttft.observe(result.first_token_at - generation.started)
+            self.expected_cached.inc(result.expected_cached_tokens)
+            self.actual_cached.inc(result.num_cached_tokens)
+            self.cached_tokens["expected"] += result.expected_cached_tokens
+            self.cached_tokens["actual"] += result.num_cached_tokens
         tpot = result.tpot_s(end)
         if tpot is not None:
             self.tpot.observe(tpot)

@@ -1,44 +1,81 @@
 """Routing policies, found by name (`--routing`). A policy picks the decode worker that owns
-a request and orders the prefill workers it may use (first choice, then the retry)."""
+a request and orders the prefill workers it may use (first choice, then the retry) for
+what that decode worker lacks."""
 
 from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 from router.registry import WorkerView
+
+
+@dataclass
+class RouteRequest:
+    """What a policy may know of a request."""
+
+    num_tokens: int  # prompt length
+    session: str | None = None  # the client's `user` field, if any
+    matched: dict[str, int] = field(default_factory=dict)  # worker id -> leading prompt tokens it has cached
+
+    def cached_on(self, view: WorkerView) -> int:
+        return self.matched.get(view.worker_id, 0)
+
+
+@dataclass(frozen=True)
+class CacheAwareWeights:
+    """The cache-aware policy's exchange rates, in prompt tokens (one token to prefill costs 1).
+
+    `request_tokens`: what one open request on a decode worker costs the next one there
+    (its share of every decode step); the default makes a hot prefix of 1024 cached tokens
+    worth 4 more open requests before a request goes elsewhere. `kv_tokens`: what a worker
+    whose KV cache is full costs (scaled by the fraction in use)."""
+
+    request_tokens: int = 256
+    kv_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        if self.request_tokens < 0 or self.kv_tokens < 0:
+            raise ValueError(f"cache-aware weights must be >= 0: {self}")
 
 
 class RoutingPolicy(ABC):
     name: str
 
     @abstractmethod
-    def pick_decode(self, workers: list[WorkerView]) -> WorkerView:
+    def pick_decode(self, workers: list[WorkerView], request: RouteRequest) -> WorkerView:
         """One of `workers` (never empty)."""
 
     @abstractmethod
-    def order_prefill(self, workers: list[WorkerView]) -> list[WorkerView]:
-        """`workers` in the order to try them."""
+    def order_prefill(self, workers: list[WorkerView], request: RouteRequest,
+                      decode: WorkerView) -> list[WorkerView]:
+        """`workers` in the order to try them, for a request owned by `decode`."""
+
+
+def decode_busy(view: WorkerView) -> int:
+    """Requests on a decode worker: this router's open ones, or the worker's own count if larger."""
+    s = view.stats
+    return max(view.open_requests, (s.num_running + s.num_waiting + s.num_waiting_for_kv) if s else 0)
+
+
+def kv_free_fraction(view: WorkerView) -> float:
+    s = view.stats
+    return s.num_free_blocks / max(1, s.num_total_blocks) if s else 1.0
 
 
 class LeastLoaded(RoutingPolicy):
-    """Decode: fewest requests (this router's open ones, or the worker's own count if
-    larger), then most free KV blocks. Prefill: fewest queued prompt tokens (the worker's
-    report plus what this router sent since)."""
+    """Decode: fewest requests, then most free KV blocks. Prefill: fewest queued prompt
+    tokens (the worker's report plus what this router sent since)."""
 
     name = "least-loaded"
 
-    def pick_decode(self, workers):
-        def load(v: WorkerView):
-            s = v.stats
-            busy = max(v.inflight, (s.num_running + s.num_waiting + s.num_waiting_for_kv) if s else 0)
-            free = s.num_free_blocks / max(1, s.num_total_blocks) if s else 1.0
-            return (busy, -free)
+    def pick_decode(self, workers, request):
+        return min(workers, key=lambda v: (decode_busy(v), -kv_free_fraction(v), v.worker_id))
 
-        return min(workers, key=load)
-
-    def order_prefill(self, workers):
-        return sorted(workers, key=lambda v: v.queued_prefill_tokens)
+    def order_prefill(self, workers, request, decode):
+        return sorted(workers, key=lambda v: (v.queued_prefill_tokens, v.worker_id))
 
 
 class RoundRobin(RoutingPolicy):
@@ -48,20 +85,66 @@ class RoundRobin(RoutingPolicy):
         self._decode = itertools.count()
         self._prefill = itertools.count()
 
-    def pick_decode(self, workers):
+    def pick_decode(self, workers, request):
         ordered = sorted(workers, key=lambda v: v.worker_id)
         return ordered[next(self._decode) % len(ordered)]
 
-    def order_prefill(self, workers):
+    def order_prefill(self, workers, request, decode):
         ordered = sorted(workers, key=lambda v: v.worker_id)
         start = next(self._prefill) % len(ordered) if ordered else 0
         return ordered[start:] + ordered[:start]
 
 
-POLICIES = {cls.name: cls for cls in (LeastLoaded, RoundRobin)}
+class CacheAware(RoutingPolicy):
+    """Decode: the lowest cost in prompt tokens, where
+
+        cost = uncached prompt tokens + its queued prompt tokens
+               + request_tokens x open requests + kv_tokens x KV fraction in use
+
+    so the worker holding a conversation's KV wins until it is busier than the reuse is
+    worth, and a hot prefix spreads once its worker is loaded. A request naming a session
+    (`user`) counts its whole prompt as cached on the decode worker that served that session
+    last. Ties go to the least loaded. Prefill: fewest prompt tokens its own cache lacks plus
+    queued ones."""
+
+    name = "cache-aware"
+    max_sessions = 100_000
+
+    def __init__(self, weights: CacheAwareWeights | None = None) -> None:
+        self.weights = weights or CacheAwareWeights()
+        self._sessions: OrderedDict[str, str] = OrderedDict()  # session -> decode worker id
+
+    def decode_cost(self, view: WorkerView, request: RouteRequest) -> float:
+        cached = request.cached_on(view)
+        if request.session is not None and self._sessions.get(request.session) == view.worker_id:
+            cached = max(cached, request.num_tokens - 1)
+        queued = view.stats.queued_prefill_tokens if view.stats else 0
+        return (request.num_tokens - cached + queued + self.weights.request_tokens * decode_busy(view)
+                + self.weights.kv_tokens * (1 - kv_free_fraction(view)))
+
+    def pick_decode(self, workers, request):
+        best = min(workers, key=lambda v: (self.decode_cost(v, request), decode_busy(v), -kv_free_fraction(v),
+                                           v.worker_id))
+        if request.session is not None:
+            self._sessions[request.session] = best.worker_id
+            self._sessions.move_to_end(request.session)
+            while len(self._sessions) > self.max_sessions:
+                self._sessions.popitem(last=False)
+        return best
+
+    def order_prefill(self, workers, request, decode):
+        # A prefill worker computes every prompt token its own cache lacks (the decode
+        # worker's cached blocks spare the shipping, not the computing: later tokens attend
+        # to them), so its cost is what it lacks plus its queue.
+        return sorted(workers, key=lambda v: (request.num_tokens - request.cached_on(v) + v.queued_prefill_tokens,
+                                              v.worker_id))
 
 
-def make_policy(name: str) -> RoutingPolicy:
+POLICIES = {cls.name: cls for cls in (CacheAware, LeastLoaded, RoundRobin)}
+DEFAULT_POLICY = CacheAware.name
+
+
+def make_policy(name: str, weights: CacheAwareWeights | None = None) -> RoutingPolicy:
     if name not in POLICIES:
         raise ValueError(f"unknown routing policy {name!r}; choose one of {sorted(POLICIES)}")
-    return POLICIES[name]()
+    return CacheAware(weights) if name == CacheAware.name else POLICIES[name]()

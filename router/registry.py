@@ -1,7 +1,8 @@
 """The router's view of the worker pools: membership (from the cluster controller, or a
-static list), per-worker gRPC stubs, and load from the workers' `Stats`, refreshed in the
-background. A worker that fails a call is kept out of routing for a few seconds; one the
-membership source no longer lists (dead, removed) is dropped at the next refresh."""
+static list), per-worker gRPC stubs, load from the workers' `Stats` and their prefix caches
+from `CacheEvents` (router/cache_index.py), refreshed in the background. A worker that
+fails a call is kept out of routing for a few seconds; one the membership source no longer
+lists (dead, removed) is dropped, with its cache index, at the next refresh."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from protos.channel import open_channel
 from protos.security import Security
+from router.cache_index import CacheIndex
 
 logger = logging.getLogger(__name__)
 MembershipSource = Callable[[], Awaitable[list[dict]]]
@@ -32,14 +34,36 @@ class WorkerView:
     stub: object
     stats: pb.WorkerStats | None = None
     inflight: int = 0  # requests this router has open on the worker
+    routed: dict[str, float] = field(default_factory=dict)  # picked, stream not yet opened: id -> when
     inflight_tokens: int = 0  # prompt tokens this router sent it (prefill) not yet prefilled
     unhealthy_until: float = 0.0
+    caches: bool | None = None  # has a prefix cache (None: not asked yet)
 
     @property
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens waiting on this (prefill) worker: its last report plus what this
         router sent it since."""
         return (self.stats.queued_prefill_tokens if self.stats else 0) + self.inflight_tokens
+
+    ROUTED_TTL_S = 5.0  # a request routed here whose stream never opened (client gone) stops counting
+
+    def note_routed(self, request_id: str) -> None:
+        """The router picked this worker for `request_id`; it counts as open from now on,
+        so a burst of requests routed before any stream opens does not pile onto one worker."""
+        self.routed[request_id] = time.monotonic()
+
+    def note_opened(self, request_id: str) -> None:
+        self.routed.pop(request_id, None)
+        self.inflight += 1
+
+    @property
+    def open_requests(self) -> int:
+        """This router's open requests on the worker, counting those routed a moment ago."""
+        if self.routed:
+            stale = time.monotonic() - self.ROUTED_TTL_S
+            for request_id in [r for r, t in self.routed.items() if t < stale]:
+                del self.routed[request_id]
+        return self.inflight + len(self.routed)
 
     @property
     def routable(self) -> bool:
@@ -59,6 +83,7 @@ class WorkerRegistry:
         self.source, self.security = source, security
         self.refresh_s, self.stats_s = refresh_s, stats_s
         self._views: dict[str, WorkerView] = {}
+        self.cache_index = CacheIndex()
         self.model = ModelInfo()
         self._tasks: list[asyncio.Task] = []
 
@@ -101,6 +126,7 @@ class WorkerRegistry:
         for worker_id in list(self._views):
             if worker_id not in seen:
                 view = self._views.pop(worker_id)
+                self.cache_index.remove_worker(worker_id)
                 logger.info("worker left role=%s id=%s", view.role, worker_id)
                 await view.channel.close()
         if not self.model.ready.is_set():
@@ -120,11 +146,28 @@ class WorkerRegistry:
         async def one(view: WorkerView) -> None:
             try:
                 view.stats = await view.stub.Stats(pb.StatsRequest(), timeout=2)
+                await self._poll_cache(view)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:  # unreachable, not merely slow
                     self.mark_unhealthy(view)
 
         await asyncio.gather(*(one(v) for v in list(self._views.values())))
+
+    async def _poll_cache(self, view: WorkerView) -> None:
+        """Bring the worker's entry in the cache index up to date (learning its hash root
+        from Info the first time)."""
+        index = self.cache_index
+        if view.caches is False:
+            return
+        if not index.tracks(view.worker_id):
+            info = await view.stub.Info(pb.InfoRequest(), timeout=2)
+            view.caches = info.prefix_caching
+            if not view.caches or view.worker_id not in self._views:
+                return
+            index.add_worker(view.worker_id, info.cache_root, info.layout.block_size)
+        reply = await view.stub.CacheEvents(pb.CacheEventsRequest(cursor=index.cursor(view.worker_id)), timeout=2)
+        if view.worker_id in self._views:  # not removed meanwhile
+            index.apply(view.worker_id, reply.next_cursor, reply.reset, reply.stored, reply.removed)
 
     async def _every(self, seconds: float, fn) -> None:
         while True:

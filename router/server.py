@@ -12,16 +12,19 @@ from engine.logs import setup_logging
 from protos.security import add_security_args, security_from_args
 from router.app import Router, RouterConfig, build_app
 from router.auth import API_KEY_ENV, api_keys_from
-from router.policies import POLICIES
+from router.policies import DEFAULT_POLICY, POLICIES, CacheAwareWeights
 from router.registry import MembershipSource, WorkerRegistry, static_source
 
 
 def make_server(config: RouterConfig, source: MembershipSource, controller=None) -> uvicorn.Server:
-    app = build_app(Router(config, WorkerRegistry(source, config.security), controller))
-    uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+    """A uvicorn server for the router; `.router` is the Router (for its actor's queries)."""
+    router = Router(config, WorkerRegistry(source, config.security), controller)
+    uv_config = uvicorn.Config(build_app(router), host=config.host, port=config.port, log_level="warning",
                                timeout_graceful_shutdown=5, access_log=False,
                                ssl_certfile=config.https_cert_file, ssl_keyfile=config.https_key_file)
-    return uvicorn.Server(uv_config)
+    server = uvicorn.Server(uv_config)
+    server.router = router
+    return server
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,8 +33,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--served-model-name", default=None, help="name clients use (default: --model)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
-    parser.add_argument("--routing", default="least-loaded", choices=sorted(POLICIES),
-                        help="how to pick workers (default: least-loaded)")
+    parser.add_argument("--routing", default=DEFAULT_POLICY, choices=sorted(POLICIES),
+                        help=f"how to pick workers (default: {DEFAULT_POLICY}: where the prompt's KV is "
+                             "cached, traded against load)")
+    parser.add_argument("--cache-aware-request-tokens", type=int, default=CacheAwareWeights.request_tokens,
+                        help="cache-aware: prompt tokens one open request on a decode worker is worth "
+                             f"(default: {CacheAwareWeights.request_tokens})")
+    parser.add_argument("--cache-aware-kv-tokens", type=int, default=CacheAwareWeights.kv_tokens,
+                        help="cache-aware: prompt tokens a full KV cache is worth "
+                             f"(default: {CacheAwareWeights.kv_tokens})")
     parser.add_argument("--prefill", action="append", default=[], help="prefill worker host:port (repeatable)")
     parser.add_argument("--decode", action="append", default=[], help="decode worker host:port (repeatable)")
     parser.add_argument("--max-inflight-requests", type=int, default=256,
@@ -53,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("router")
     config = RouterConfig(model=args.model, served_model_name=args.served_model_name or args.model,
                           host=args.host, port=args.port, routing=args.routing,
+                          cache_aware=CacheAwareWeights(args.cache_aware_request_tokens, args.cache_aware_kv_tokens),
                           max_inflight_requests=args.max_inflight_requests, kv_transport=args.kv_transport,
                           admin_token=os.environ.get("PDSERVE_ADMIN_TOKEN"), security=security,
                           api_keys=api_keys_from(args.api_key), https_cert_file=args.https_cert,

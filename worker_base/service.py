@@ -37,12 +37,20 @@ class WorkerServiceBase:
             worker_id=self.config.worker_id, role=self.role, model=self.engine.config.model,
             kv_transports=["torch", "grpc"], kv_endpoint=self._kv_endpoint(),
             max_model_len=self.engine.max_model_len, vocab_size=self.engine.loaded.shape.vocab_size,
+            cache_root=self.engine.block_manager.root,
+            prefix_caching=self.engine.block_manager.enable_prefix_caching,
         )
         self.layout.to_proto(info.layout)
         return info
 
     async def Stats(self, request, context) -> pb.WorkerStats:
         return self.aengine.stats()
+
+    async def CacheEvents(self, request, context) -> pb.CacheEventsReply:
+        async with self.aengine.lock:  # between steps: the cache is not changing
+            delta = self.engine.block_manager.cache_events(request.cursor)
+        return pb.CacheEventsReply(next_cursor=delta.next_cursor, reset=delta.reset, stored=delta.stored,
+                                   removed=delta.removed)
 
     def _kv_endpoint(self) -> str:
         return ""

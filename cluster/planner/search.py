@@ -73,23 +73,23 @@ class Plan:
         return "\n".join(rows)
 
 
-def lengths_of(requests: list[SimRequest]) -> list[tuple[int, int]]:
-    return [(r.prompt_len, r.output_len) for r in requests]
+def lengths_of(requests: list[SimRequest]) -> list[tuple[int, int, int]]:
+    return [(r.prompt_len, r.output_len, r.cached_len) for r in requests]
 
 
-def phase_curve(profile: Profile, lengths: list[tuple[int, int]], phase: str, percentile: float = 90.0,
-                requests: int = 300, seed: int = 0) -> Curve:
+def phase_curve(profile: Profile, lengths: list[tuple[int, ...]], phase: str, percentile: float = 90.0,
+                requests: int = 300, seed: int = 0, local_prefill_max_tokens: int = 0) -> Curve:
     """`phase`: "prefill" (1 prefill instance, decode unconstrained), "decode" (the reverse),
-    or "colocated" (1 colocated instance)."""
+    or "colocated" (1 colocated instance). `lengths`: (prompt, output[, cached]) tuples."""
     top = _saturation_rate(profile, lengths, phase) * 1.6
     rates = [top * (0.02 ** (1 - i / (GRID_POINTS - 1))) for i in range(GRID_POINTS)]
     curve = Curve(rates, [], [])
     for rate in rates:
         work = poisson(rate, requests, lengths, seed)
         if phase == "prefill":
-            result = simulate(profile, work, prefill=1, decode=64)
+            result = simulate(profile, work, prefill=1, decode=64, local_prefill_max_tokens=local_prefill_max_tokens)
         elif phase == "decode":
-            result = simulate(profile, work, prefill=64, decode=1)
+            result = simulate(profile, work, prefill=64, decode=1, local_prefill_max_tokens=local_prefill_max_tokens)
         else:
             result = simulate(profile, work, prefill=0, decode=1, colocated=True)
         curve.ttft.append(result.percentile("ttft_s", percentile))
@@ -97,12 +97,13 @@ def phase_curve(profile: Profile, lengths: list[tuple[int, int]], phase: str, pe
     return curve
 
 
-def _saturation_rate(profile: Profile, lengths: list[tuple[int, int]], phase: str) -> float:
+def _saturation_rate(profile: Profile, lengths: list[tuple[int, ...]], phase: str) -> float:
     """A rough upper bound of the rate one instance can serve (where the grid ends)."""
-    mean_prompt = sum(p for p, _ in lengths) / len(lengths)
-    mean_output = sum(o for _, o in lengths) / len(lengths)
+    mean_prompt = sum(t[0] for t in lengths) / len(lengths)
+    mean_output = sum(t[1] for t in lengths) / len(lengths)
+    mean_computed = max(1.0, mean_prompt - sum(t[2] if len(t) > 2 else 0 for t in lengths) / len(lengths))
     budget = profile.max_num_batched_tokens
-    prefill_s = profile.prefill_step_s(budget, budget * mean_prompt) / budget * mean_prompt
+    prefill_s = profile.prefill_step_s(budget, budget * mean_prompt) / budget * mean_computed
     batch = min(profile.max_num_seqs, 64)
     decode_s = profile.decode_step_s(batch, batch * (mean_prompt + mean_output / 2)) / batch * mean_output
     per_request = {"prefill": prefill_s, "decode": decode_s, "colocated": prefill_s + decode_s}[phase]
@@ -110,12 +111,16 @@ def _saturation_rate(profile: Profile, lengths: list[tuple[int, int]], phase: st
 
 
 def make_plan(profile: Profile, slo: SLO, rate: float, workload: list[SimRequest],
-              curves: dict[str, Curve] | None = None, verify_requests: int = 300) -> Plan:
-    """Instances per pool for `rate` requests/s with `workload`'s lengths, and predictions."""
+              curves: dict[str, Curve] | None = None, verify_requests: int = 300,
+              local_prefill_max_tokens: int = 0) -> Plan:
+    """Instances per pool for `rate` requests/s with `workload`'s lengths (and cached
+    prefixes), and predictions; decode workers prefill locally what lacks at most
+    `local_prefill_max_tokens` after their cache."""
     if rate <= 0:
         raise ValueError(f"rate must be > 0, got {rate}")
     lengths = lengths_of(workload)
-    curves = curves or {phase: phase_curve(profile, lengths, phase, slo.percentile)
+    curves = curves or {phase: phase_curve(profile, lengths, phase, slo.percentile,
+                                           local_prefill_max_tokens=local_prefill_max_tokens)
                         for phase in ("prefill", "decode", "colocated")}
     capacity = {"prefill": curves["prefill"].capacity(slo, True, False),
                 "decode": curves["decode"].capacity(slo, False, True),
@@ -131,15 +136,16 @@ def make_plan(profile: Profile, slo: SLO, rate: float, workload: list[SimRequest
                      f"TTFT p{slo.percentile:g} {best[0]:.2f}s (SLO {slo.ttft_s}s) and TPOT p{slo.percentile:g} "
                      f"{best[1] * 1000:.0f}ms (SLO {slo.tpot_s * 1000:.0f}ms); best attainable figures shown")
     work = poisson(rate, max(verify_requests, min(len(workload), 2000)), lengths, seed=1)
-    plan.predicted["disaggregated"] = predict(profile, slo, work, plan.prefill, plan.decode, False)
+    plan.predicted["disaggregated"] = predict(profile, slo, work, plan.prefill, plan.decode, False,
+                                              local_prefill_max_tokens)
     colocated = plan.colocated if capacity["colocated"] else max(1, plan.prefill + plan.decode)
     plan.predicted["colocated"] = predict(profile, slo, work, 0, colocated, True)
     return plan
 
 
 def predict(profile: Profile, slo: SLO, work: list[SimRequest], prefill: int, decode: int,
-            colocated: bool) -> dict:
-    result = simulate(profile, work, prefill, decode, colocated)
+            colocated: bool, local_prefill_max_tokens: int = 0) -> dict:
+    result = simulate(profile, work, prefill, decode, colocated, local_prefill_max_tokens)
     attainment = result.attainment(slo.ttft_s, slo.tpot_s)
     units = decode + (0 if colocated else prefill)
     span = max(1e-9, work[-1].arrival_s - work[0].arrival_s)

@@ -8,7 +8,11 @@
 - routing: the prefill instance with the fewest queued tokens, the decode instance with
   the fewest requests (the least-loaded policy);
 - colocated: one engine per instance doing both, running requests first (decode tokens,
-  then prefill chunks under the same budget), as engine.scheduler does.
+  then prefill chunks under the same budget), as engine.scheduler does;
+- prefix caching: a request's `cached_len` leading prompt tokens are neither computed nor
+  shipped (attention still spans them); a disaggregated request whose uncached tokens are
+  at most `local_prefill_max_tokens` is prefilled on its decode instance, mixed into its
+  decode steps, as the decode worker decides.
 
 Returns per-request TTFT and TPOT.
 """
@@ -60,18 +64,20 @@ class _Instance:
 
 
 def simulate(profile: Profile, requests: list[SimRequest], prefill: int, decode: int,
-             colocated: bool = False) -> SimResult:
+             colocated: bool = False, local_prefill_max_tokens: int = 0) -> SimResult:
     """Simulate `prefill` + `decode` instances (or `decode` colocated instances)."""
-    sim = _Simulation(profile, prefill, decode, colocated)
+    sim = _Simulation(profile, prefill, decode, colocated, local_prefill_max_tokens)
     return sim.run(requests)
 
 
 class _Simulation:
-    def __init__(self, profile: Profile, prefill: int, decode: int, colocated: bool) -> None:
+    def __init__(self, profile: Profile, prefill: int, decode: int, colocated: bool,
+                 local_prefill_max_tokens: int = 0) -> None:
         if decode < 1 or (not colocated and prefill < 1):
             raise ValueError("need at least one instance per pool")
         self.p = profile
         self.colocated = colocated
+        self.local_prefill_max_tokens = local_prefill_max_tokens
         self.prefills = [] if colocated else [_Instance() for _ in range(prefill)]
         self.decodes = [_Instance() for _ in range(decode)]
         self.events: list = []
@@ -83,7 +89,7 @@ class _Simulation:
 
     def run(self, requests: list[SimRequest]) -> SimResult:
         for r in requests:
-            self.push(r.arrival_s, "arrive", _Job(r, r.prompt_len))
+            self.push(r.arrival_s, "arrive", _Job(r, r.uncached_len))
         now = 0.0
         while self.events:
             now, _, kind, payload = heapq.heappop(self.events)
@@ -108,7 +114,7 @@ class _Simulation:
 
     # ------------------------------------------------------------ prefill pool
     def _arrive(self, now: float, job: _Job) -> None:
-        if self.colocated:
+        if self.colocated or job.remaining_prompt <= self.local_prefill_max_tokens:
             instance = min(self.decodes, key=lambda i: len(i.running) + len(i.queue))
             instance.queue.append(job)
             self._kick(now, instance, decode=True)
@@ -150,7 +156,7 @@ class _Simulation:
             if job.remaining_prompt == 0:
                 instance.queue.remove(job)
                 target = min(self.decodes, key=lambda i: len(i.running) + len(i.queue))
-                arrival = now + self.p.transfer_s(job.req.prompt_len)
+                arrival = now + self.p.transfer_s(job.req.uncached_len)
                 job.first_token_s = arrival  # the first token reaches the client with the KV
                 job.generated, job.context = 1, job.req.prompt_len + 1
                 self.push(arrival, "kv", (target, job))
@@ -169,7 +175,7 @@ class _Simulation:
             instance.running.append(instance.queue.pop(0))
         if not instance.running:
             return
-        if self.colocated:
+        if self.colocated or any(j.remaining_prompt for j in instance.running):
             duration, chunks = self._colocated_work(instance)
         else:
             duration, chunks = self.p.decode_step_s(len(instance.running),

@@ -8,18 +8,37 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.block_hash import prefix_hashes
+
 
 @dataclass(frozen=True)
 class SimRequest:
     arrival_s: float
     prompt_len: int
     output_len: int
+    cached_len: int = 0  # leading prompt tokens found in a prefix cache (not computed, not shipped)
+
+    @property
+    def uncached_len(self) -> int:
+        return self.prompt_len - self.cached_len
 
 
-def load_trace(path: str | Path) -> list[SimRequest]:
+def with_hit_rate(requests: list[SimRequest], hit_rate: float, block_size: int = 16) -> list[SimRequest]:
+    """The same requests with `hit_rate` of each prompt found cached (whole blocks, never the
+    last token): what a measured prefix-cache hit rate means for the planner."""
+    if not 0 <= hit_rate <= 1:
+        raise ValueError(f"hit rate must be in [0, 1], got {hit_rate}")
+    return [SimRequest(r.arrival_s, r.prompt_len, r.output_len,
+                       min(int(hit_rate * r.prompt_len) // block_size * block_size,
+                           (r.prompt_len - 1) // block_size * block_size)) for r in requests]
+
+
+def load_trace(path: str | Path, block_size: int = 16) -> list[SimRequest]:
     """Read a JSONL trace (arrival_s, prompt_token_ids or prompt_len, max_tokens); ValueError
-    naming the line and field on anything malformed."""
-    out = []
+    naming the line and field on anything malformed. Where prompts are given as token ids,
+    each request's `cached_len` is what a prefix cache holding every earlier prompt would
+    supply (whole `block_size` blocks): the trace's own reuse, measured."""
+    rows = []
     try:
         lines = Path(path).read_text().splitlines()
     except FileNotFoundError:
@@ -30,17 +49,40 @@ def load_trace(path: str | Path) -> list[SimRequest]:
         try:
             row = json.loads(line)
             arrival = float(row["arrival_s"])
-            prompt = len(row["prompt_token_ids"]) if "prompt_token_ids" in row else int(row["prompt_len"])
+            ids = row.get("prompt_token_ids")
+            prompt = len(ids) if ids is not None else int(row["prompt_len"])
             output = int(row["max_tokens"])
+            if ids is not None:
+                prefix_hashes(ids, block_size, b"")  # token ids must be integers
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"trace {path} line {number}: {type(exc).__name__}: {exc} "
                              f"(need arrival_s, prompt_token_ids or prompt_len, max_tokens)") from None
         if arrival < 0 or prompt < 1 or output < 1:
             raise ValueError(f"trace {path} line {number}: arrival_s >= 0, prompt and max_tokens >= 1 required")
-        out.append(SimRequest(arrival, prompt, output))
-    if not out:
+        rows.append((arrival, prompt, output, ids))
+    if not rows:
         raise ValueError(f"trace {path} has no requests")
-    return sorted(out, key=lambda r: r.arrival_s)
+    seen: set[bytes] = set()
+    return [SimRequest(arrival, prompt, output, _cached_then_add(ids, seen, block_size) if ids else 0)
+            for arrival, prompt, output, ids in sorted(rows, key=lambda r: r[0])]
+
+
+def _cached_then_add(ids: list[int], seen: set[bytes], block_size: int) -> int:
+    """Leading tokens of `ids` (short of the last) whose blocks are in `seen`; then add its own."""
+    hashes = prefix_hashes(ids, block_size, b"")
+    hit = 0
+    for digest in hashes[: (len(ids) - 1) // block_size]:
+        if digest not in seen:
+            break
+        hit += block_size
+    seen.update(hashes)
+    return hit
+
+
+def hit_rate(requests: list[SimRequest]) -> float:
+    """Cached prompt tokens / prompt tokens."""
+    total = sum(r.prompt_len for r in requests)
+    return sum(r.cached_len for r in requests) / total if total else 0.0
 
 
 def trace_rate(requests: list[SimRequest]) -> float:
@@ -52,15 +94,15 @@ def rescale(requests: list[SimRequest], rate: float) -> list[SimRequest]:
     """The same requests with arrival times scaled to an average rate of `rate` per second."""
     factor = trace_rate(requests) / rate
     start = requests[0].arrival_s
-    return [SimRequest((r.arrival_s - start) * factor, r.prompt_len, r.output_len) for r in requests]
+    return [SimRequest((r.arrival_s - start) * factor, r.prompt_len, r.output_len, r.cached_len) for r in requests]
 
 
-def poisson(rate: float, count: int, lengths: list[tuple[int, int]], seed: int = 0) -> list[SimRequest]:
-    """`count` Poisson arrivals at `rate`/s, (prompt, output) lengths drawn from `lengths`."""
+def poisson(rate: float, count: int, lengths: list[tuple[int, ...]], seed: int = 0) -> list[SimRequest]:
+    """`count` Poisson arrivals at `rate`/s, lengths drawn from `lengths`: (prompt, output)
+    or (prompt, output, cached) tuples."""
     rng = random.Random(seed)
     t, out = 0.0, []
     for _ in range(count):
         t += rng.expovariate(rate)
-        prompt, output = rng.choice(lengths)
-        out.append(SimRequest(t, prompt, output))
+        out.append(SimRequest(t, *rng.choice(lengths)))
     return out

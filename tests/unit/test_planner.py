@@ -155,3 +155,63 @@ def test_prefill_seconds_chunks_under_the_budget_and_mixing_costs_more():
     assert prefill_seconds(profile, 0) == 0
     alone, mixed = prefill_seconds(profile, 250), prefill_seconds(profile, 250, batch=8, context=4000)
     assert mixed == pytest.approx(alone + 3 * (0.0005 * 8 + 0.00001 * 4000))
+
+
+def test_a_cached_prefix_is_neither_computed_nor_shipped():
+    """Closed form, as in test_one_request_costs_exactly_its_steps: of a 300-token prompt
+    with 256 tokens cached, the prefill step computes 44 tokens (0.1 + 0.044 s) and ships
+    44 x 1000 B at 1 MB/s (0.044 s)."""
+    profile = Profile("hand", (0.1, 0.001, 0.0), (0.01, 0.002, 1e-5), 1000, 1e6, max_num_batched_tokens=512)
+    result = simulate(profile, [SimRequest(0.0, 300, 5, cached_len=256)], prefill=1, decode=1)
+    assert result.ttft_s == [pytest.approx(0.1 + 0.044 + 0.044)]
+
+
+def test_a_short_uncached_tail_is_prefilled_on_the_decode_instance():
+    """44 uncached tokens <= local_prefill_max_tokens: one mixed step on the decode instance
+    (max(0.1, 0.01) + 0.044 s), no prefill instance and no transfer."""
+    profile = Profile("hand", (0.1, 0.001, 0.0), (0.01, 0.002, 1e-5), 1000, 1e6, max_num_batched_tokens=512)
+    request = [SimRequest(0.0, 300, 5, cached_len=256)]
+    assert simulate(profile, request, 1, 1, local_prefill_max_tokens=64).ttft_s == [pytest.approx(0.1 + 0.044)]
+    assert simulate(profile, request, 1, 1, local_prefill_max_tokens=43).ttft_s == [pytest.approx(0.188)]
+
+
+def test_prefix_hits_raise_what_one_prefill_instance_sustains():
+    from cluster.planner.workload import with_hit_rate
+
+    slo = SLO(8.0, 0.2)  # one 2048-token prompt alone takes ~5 s here
+    work = poisson(1.0, 50, [(1024, 16), (2048, 16)], seed=5)
+    capacity = [phase_curve(PROFILE, [(r.prompt_len, r.output_len, r.cached_len) for r in with_hit_rate(work, h)],
+                            "prefill", requests=150).capacity(slo, True, False) for h in (0.0, 0.5, 0.9)]
+    assert capacity[0] < capacity[1] < capacity[2]
+
+
+def test_hit_rates_given_and_measured():
+    from cluster.planner.workload import hit_rate, with_hit_rate
+
+    requests = [SimRequest(0, 100, 1), SimRequest(1, 17, 1), SimRequest(2, 16, 1)]
+    # whole 16-token blocks, never the last token
+    assert [r.cached_len for r in with_hit_rate(requests, 0.5)] == [48, 0, 0]
+    assert [r.cached_len for r in with_hit_rate(requests, 1.0)] == [96, 16, 0]
+    with pytest.raises(ValueError, match="hit rate must be in"):
+        with_hit_rate(requests, 1.5)
+    assert hit_rate(with_hit_rate(requests, 1.0)) == pytest.approx(112 / 133)
+
+
+def test_a_trace_with_token_ids_measures_its_own_reuse(tmp_path):
+    shared = list(range(100, 164))  # 4 blocks
+    rows = [{"arrival_s": 1.0, "prompt_token_ids": shared + [7, 8, 9], "max_tokens": 4},
+            {"arrival_s": 0.0, "prompt_token_ids": shared + [1, 2], "max_tokens": 4},  # arrives first
+            {"arrival_s": 2.0, "prompt_len": 50, "max_tokens": 4}]
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    assert [r.cached_len for r in load_trace(path)] == [0, 64, 0]
+
+
+def test_the_autoscaler_wants_fewer_prefill_workers_when_prompts_hit_the_cache():
+    slo = SLO(1.0, 0.2)
+    bounds = {"prefill": (1, 64), "decode": (1, 64)}
+    plain = {"count": 50, "rate": 3.0, "lengths": [(2048, 16, 0)] * 50, "ttft_p": None, "tpot_p": None}
+    cached = {**plain, "lengths": [(2048, 16, 1920)] * 50}
+    want = [Autoscaler(PROFILE, slo, bounds, cooldown_s=0, local_prefill_max_tokens=0).decide(
+        observed, {"prefill": 1, "decode": 1}).desired["prefill"] for observed in (plain, cached)]
+    assert want[1] < want[0]

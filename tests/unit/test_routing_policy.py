@@ -1,0 +1,79 @@
+"""Routing policies' choices on constructed pool states."""
+
+import pytest
+
+from protos import pdserve_pb2 as pb
+from router.policies import CacheAware, CacheAwareWeights, LeastLoaded, RouteRequest, make_policy
+from router.registry import WorkerView
+
+
+def view(worker_id: str, role: str = "decode", running: int = 0, queued: int = 0, free: int = 100,
+         total: int = 100) -> WorkerView:
+    stats = pb.WorkerStats(worker_id=worker_id, role=role, num_running=running, queued_prefill_tokens=queued,
+                           num_free_blocks=free, num_total_blocks=total)
+    return WorkerView(role, worker_id, f"{worker_id}:1", "ready", None, None, stats)
+
+
+def test_the_worker_holding_the_prefix_wins_over_an_idle_one():
+    d1, d2 = view("d1", running=1), view("d2")
+    route = RouteRequest(1000, matched={"d1": 960})
+    assert CacheAware().pick_decode([d1, d2], route) is d1
+    assert LeastLoaded().pick_decode([d1, d2], route) is d2  # blind to caches
+
+
+def test_a_hot_prefix_spreads_once_its_worker_is_loaded():
+    policy = CacheAware(CacheAwareWeights(request_tokens=256, kv_tokens=0))
+    d2 = view("d2")
+    route = RouteRequest(1000, matched={"d1": 960})
+    # 960 cached tokens are worth 960 / 256 = 3.75 open requests
+    assert policy.pick_decode([view("d1", running=3), d2], route).worker_id == "d1"
+    assert policy.pick_decode([view("d1", running=4), d2], route) is d2
+
+
+def test_without_cache_hits_it_routes_like_least_loaded():
+    workers = [view("a", running=3), view("b", running=1), view("c", running=1, free=50)]
+    route = RouteRequest(500)
+    assert CacheAware().pick_decode(workers, route) is LeastLoaded().pick_decode(workers, route)
+    assert CacheAware().pick_decode(workers, route).worker_id == "b"
+
+
+def test_a_full_kv_cache_costs_what_the_weights_say():
+    policy = CacheAware(CacheAwareWeights(request_tokens=0, kv_tokens=512))
+    full, empty = view("full", free=0), view("empty")
+    assert policy.pick_decode([full, empty], RouteRequest(1000, matched={"full": 480})) is empty
+    assert policy.pick_decode([full, empty], RouteRequest(1000, matched={"full": 528})) is full
+
+
+def test_a_session_sticks_to_its_worker_while_its_load_allows():
+    policy = CacheAware(CacheAwareWeights(request_tokens=256, kv_tokens=0))
+    a, b = view("a"), view("b", running=1)
+    first = policy.pick_decode([a, b], RouteRequest(600, session="alice"))
+    assert first is a
+    # no cache hit seen yet (say, the index has not heard back): the hint alone keeps it there
+    assert policy.pick_decode([view("a", running=2), view("b", running=1)],
+                              RouteRequest(600, session="alice")).worker_id == "a"
+    # a session that has not been seen goes to the least loaded
+    assert policy.pick_decode([view("a", running=2), view("b", running=1)],
+                              RouteRequest(600, session="bob")).worker_id == "b"
+    # past what its prompt is worth (600 tokens = 2.3 requests), it moves
+    assert policy.pick_decode([view("a", running=4), view("b", running=1)],
+                              RouteRequest(600, session="alice")).worker_id == "b"
+
+
+def test_prefill_order_is_by_what_each_prefill_worker_must_compute_plus_its_queue():
+    decode = view("d")
+    p1, p2, p3 = view("p1", "prefill", queued=0), view("p2", "prefill", queued=300), view("p3", "prefill", queued=0)
+    route = RouteRequest(1000, matched={"p2": 800, "d": 900})
+    # p2 computes 200 + 300 queued = 500 < p1's and p3's 1000 (the decode worker's copy does
+    # not spare a prefill worker any computing)
+    assert [v.worker_id for v in CacheAware().order_prefill([p1, p2, p3], route, decode)] == ["p2", "p1", "p3"]
+    assert [v.worker_id for v in LeastLoaded().order_prefill([p1, p2, p3], route, decode)] == ["p1", "p3", "p2"]
+
+
+def test_policies_by_name():
+    assert make_policy("cache-aware").name == "cache-aware"
+    assert make_policy("least-loaded").name == "least-loaded"
+    with pytest.raises(ValueError, match="unknown routing policy 'nearest'"):
+        make_policy("nearest")
+    with pytest.raises(ValueError, match="must be >= 0"):
+        CacheAwareWeights(request_tokens=-1)
