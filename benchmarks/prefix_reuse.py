@@ -23,6 +23,7 @@ import asyncio
 import json
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import aiohttp
@@ -63,7 +64,7 @@ async def completion(session, url: str, prompt: list[int], max_tokens: int) -> d
                 ids.extend(event["choices"][0]["token_ids"])
     end = time.perf_counter()
     return {"ttft_s": first - sent, "tpot_s": (end - first) / (len(ids) - 1) if len(ids) > 1 else None,
-            "ids": ids, "prompt_tokens": usage["prompt_tokens"],
+            "ids": ids, "sent_at": sent, "output_tokens": len(ids), "prompt_tokens": usage["prompt_tokens"],
             "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]}
 
 
@@ -95,12 +96,18 @@ async def question(session, url: str, row: dict, start: float, time_scale: float
 
 
 async def replay(url: str, workload: str, rows: list[dict], time_scale: float) -> tuple[list[dict], float]:
+    """Every row's requests (a chat's turns, or one question); each result's `sent_s` is
+    when it was sent, from the start of the replay."""
     client = chat_session if workload == "multi-turn-chat" else question
     timeout = aiohttp.ClientTimeout(total=None)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
         start = time.perf_counter()
         nested = await asyncio.gather(*(client(session, url, row, start, time_scale) for row in rows))
-        return [r for results in nested for r in results], time.perf_counter() - start
+        results = [r for results in nested for r in results]
+        for r in results:
+            if "sent_at" in r:
+                r["sent_s"] = r.pop("sent_at") - start
+        return results, time.perf_counter() - start
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -132,16 +139,46 @@ def summarize(results: list[dict], wall_s: float, before: dict, after: dict) -> 
     }
 
 
-def run_config(name: str, overrides: dict, workloads: dict, time_scale: float, port: int) -> dict:
+def workload_rows(name: str, limit: int) -> list[dict]:
+    """The first `limit` rows of ../shared/workloads/`name`.jsonl."""
+    return [json.loads(line) for line in (WORKLOADS / f"{name}.jsonl").read_text().splitlines()][:limit]
+
+
+@contextmanager
+def local_ray(num_cpus: int):
+    """A Ray instance in this process for the benchmark's services."""
+    import ray
+
+    from cluster.ray_cluster import ray_env
+
+    ray_env()
+    ray.init(num_cpus=num_cpus, namespace="pdserve", include_dashboard=False, object_store_memory=300_000_000,
+             logging_level="WARNING", log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@contextmanager
+def service(settings: dict):
+    """A `pdserve up` of `settings` (dotted config keys) on the local Ray; yields its URL."""
     import ray
 
     from cluster.config import load_config
     from cluster.controller import create_controller
 
-    config = load_config(None, {"router.port": port, "prefill.num_cpus": 1, "decode.num_cpus": 1, **overrides})
-    controller = create_controller(config)
+    controller = create_controller(load_config(None, settings))
     try:
-        url = ray.get(controller.start.remote())
+        yield ray.get(controller.start.remote())
+    finally:
+        ray.get(controller.shutdown.remote())
+        ray.kill(controller)
+
+
+def run_config(name: str, overrides: dict, workloads: dict, time_scale: float, port: int) -> dict:
+    settings = {"router.port": port, "prefill.num_cpus": 1, "decode.num_cpus": 1, **overrides}
+    with service(settings) as url:
         out = {}
         for workload, rows in workloads.items():
             time.sleep(1.0)  # let the router's view of worker stats settle
@@ -151,9 +188,6 @@ def run_config(name: str, overrides: dict, workloads: dict, time_scale: float, p
             out[workload] = summarize(results, wall, before, scrape(url))
             print(f"{name} {workload}: {json.dumps(out[workload])}", flush=True)
         return out
-    finally:
-        ray.get(controller.shutdown.remote())
-        ray.kill(controller)
 
 
 def plot(result: dict, path: Path) -> None:
@@ -181,23 +215,11 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8019)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "prefix_reuse.json")
     args = parser.parse_args()
-    import ray
-
-    from cluster.ray_cluster import ray_env
-
-    def rows(name: str, limit: int) -> list[dict]:
-        return [json.loads(line) for line in (WORKLOADS / f"{name}.jsonl").read_text().splitlines()][:limit]
-
-    workloads = {"multi-turn-chat": rows("multi-turn-chat", args.sessions),
-                 "shared-prefix": rows("shared-prefix", args.questions)}
-    ray_env()
-    ray.init(num_cpus=4, namespace="pdserve", include_dashboard=False, object_store_memory=300_000_000,
-             logging_level="WARNING", log_to_driver=False)
-    try:
+    workloads = {"multi-turn-chat": workload_rows("multi-turn-chat", args.sessions),
+                 "shared-prefix": workload_rows("shared-prefix", args.questions)}
+    with local_ray(num_cpus=4):
         configs = {name: run_config(name, CONFIGS[name], workloads, args.time_scale, args.port)
                    for name in args.configs.split(",")}
-    finally:
-        ray.shutdown()
     result = {"workloads": {w: repo_relative(WORKLOADS / f"{w}.jsonl") for w in workloads},
               "sessions": args.sessions, "questions": args.questions, "time_scale": args.time_scale,
               "configs": configs}

@@ -91,7 +91,8 @@ def _plan(args) -> int:
     if plan.note:
         print(plan.note)
     document = {"rate": rate, "prefix_hit_rate": hit_rate(trace),
-                "local_prefill_max_tokens": args.local_prefill_max_tokens, "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "percentile": slo.percentile},
+                "local_prefill_max_tokens": args.local_prefill_max_tokens,
+                "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "percentile": slo.percentile},
                 "feasible": plan.feasible, "prefill": {"replicas": plan.prefill},
                 "decode": {"replicas": plan.decode}, "colocated": {"replicas": plan.colocated},
                 "capacity_per_instance": plan.capacity, "predicted": plan.predicted, "note": plan.note}

@@ -28,10 +28,10 @@ from protos.security import Security
 from router import protocol
 from router.admin import install_admin
 from router.auth import APIKeyMiddleware
+from router.cache_index import PromptKeys
 from router.errors import APIError, install_handlers, validation_message
 from router.generation import Generation, GenerationError
 from router.metrics import RouterMetrics
-from router.cache_index import PromptKeys
 from router.policies import DEFAULT_POLICY, CacheAwareWeights, RouteRequest, make_policy
 from router.registry import WorkerRegistry
 

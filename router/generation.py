@@ -101,8 +101,7 @@ class Generation:
         self.result.decode_worker = decode.worker_id
         call = decode.stub.Generate(request, timeout=router.config.request_timeout_s)
         index = router.registry.cache_index
-        for worker in (decode, *prefill[:1]):  # the prompt's blocks will be cached there
-            index.expect(worker.worker_id, self.prompt)
+        index.expect(decode.worker_id, self.prompt)  # its blocks will be cached there, however prefilled
         output_ids: list[int] = []
         decode.note_opened(self.request_id)
         if prefill:
@@ -115,6 +114,9 @@ class Generation:
                     self.result.prefilled_by = chunk.prefilled_by
                     self.result.num_cached_tokens = chunk.num_cached_tokens
                     self.result.expected_cached_tokens = self._expected_cached(decode, prefill, chunk.prefilled_by)
+                    for worker in prefill:
+                        if worker.worker_id == chunk.prefilled_by:  # and where it was prefilled
+                            index.expect(worker.worker_id, self.prompt)
                     if prefill:
                         prefill[0].inflight_tokens -= len(self.prompt_ids)
                 text = "".join(detok.add_token(t) for t in chunk.token_ids if not detok.stopped)

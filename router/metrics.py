@@ -28,7 +28,8 @@ class WorkerTotals:
                                       "workers", labels=["pool"])
         worker_hit_rate = GaugeMetricFamily("pdserve_worker_prefix_cache_hit_rate",
                                             "prompt tokens found in the worker's prefix cache / prompt tokens "
-                                            "looked up, since the worker started (0 before any)", labels=["pool", "worker"])
+                                            "looked up, since the worker started (0 before any)",
+                                            labels=["pool", "worker"])
         by_decision: dict[tuple[str, str], int] = {}
         for pool in POOLS:
             stats = [v.stats for v in self.workers.workers(pool, routable=False) if v.stats is not None]

@@ -91,7 +91,8 @@ class WorkerRegistry:
         await self.refresh()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._every(self.refresh_s, self.refresh)),
-                       loop.create_task(self._every(self.stats_s, self.poll_stats))]
+                       loop.create_task(self._every(self.stats_s, self.poll_stats)),
+                       loop.create_task(self._every(self.stats_s, self.poll_caches))]
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -146,10 +147,20 @@ class WorkerRegistry:
         async def one(view: WorkerView) -> None:
             try:
                 view.stats = await view.stub.Stats(pb.StatsRequest(), timeout=2)
-                await self._poll_cache(view)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:  # unreachable, not merely slow
                     self.mark_unhealthy(view)
+
+        await asyncio.gather(*(one(v) for v in list(self._views.values())))
+
+    async def poll_caches(self) -> None:
+        """Bring the cache index up to date (apart from the Stats poll: a worker answers
+        CacheEvents between engine steps, which may be long)."""
+        async def one(view: WorkerView) -> None:
+            try:
+                await self._poll_cache(view)
+            except grpc.aio.AioRpcError:
+                pass  # unreachable or slow: the Stats poll decides about its health
 
         await asyncio.gather(*(one(v) for v in list(self._views.values())))
 
