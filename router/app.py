@@ -100,8 +100,7 @@ class Router:
         blocks the index holds for it (reported, expected); overall, the cached prompt
         tokens the index predicted vs those the workers found."""
         index = self.registry.cache_index
-        workers = {v.worker_id: dict(zip(("held", "expected"), index.size(v.worker_id), strict=True))
-                   for role in ("decode", "prefill") for v in self.registry.workers(role, routable=False)}
+        workers = {w: dict(zip(("held", "expected"), index.size(w), strict=True)) for w in index.worker_ids()}
         return {"policy": self.policy.name, "index": workers,
                 "expected_cached_tokens": self.metrics.cached_tokens["expected"],
                 "actual_cached_tokens": self.metrics.cached_tokens["actual"]}

@@ -69,6 +69,9 @@ class CacheIndex:
     def remove_worker(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
 
+    def worker_ids(self) -> list[str]:
+        return list(self._workers)
+
     def tracks(self, worker_id: str) -> bool:
         return worker_id in self._workers
 

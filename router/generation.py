@@ -151,7 +151,6 @@ class Generation:
             if not worker_done:
                 call.cancel()  # stop string, client gone or error: abort on the workers
 
-
     def _expected_cached(self, decode, prefill, prefilled_by: str) -> int:
         """The cached prompt tokens the route predicted for the worker that prefilled."""
         if prefilled_by == "local":
