@@ -112,8 +112,7 @@ class TorchTransport:
             if receiver is None or receiver.broken:
                 self._generation[peer_id] += 1
                 prefix = f"{peer_id}/{self._generation[peer_id]}/{secrets.token_hex(16)}"
-                store = dist.PrefixStore(prefix, self._store)
-                receiver = _PairReceiver(peer_id, prefix, store, self)
+                receiver = _PairReceiver(peer_id, prefix, self)
                 self._receivers[peer_id] = receiver
                 receiver.start()
             return f"{self.host}:{self._store.port}/{receiver.prefix}?piece_tokens={self.max_piece_tokens}"
@@ -166,9 +165,10 @@ class TorchTransport:
 class _PairReceiver(threading.Thread):
     """Decode side of one pair: forms the group, then receives pieces until it breaks."""
 
-    def __init__(self, peer_id: str, prefix: str, store, transport: TorchTransport) -> None:
+    def __init__(self, peer_id: str, prefix: str, transport: TorchTransport) -> None:
         super().__init__(name=f"kv-recv-{peer_id[:8]}", daemon=True)
-        self.peer_id, self.prefix, self.store, self.transport = peer_id, prefix, store, transport
+        self.peer_id, self.prefix, self.transport = peer_id, prefix, transport
+        self.store = None
         self.broken = False
         self.group = None
 
@@ -180,7 +180,12 @@ class _PairReceiver(threading.Thread):
         t = self.transport
         table = t._table
         try:
-            group = self.group = _make_group(self.store, 0, t.device, t.timeout_s)
+            # a store client of its own: on one shared client, a pair whose peer never comes
+            # would hold the client's lock in its blocking wait, stalling every other pair's
+            # rendezvous until it timed out
+            self.store = dist.TCPStore(t.host, t._store.port, is_master=False,
+                                       timeout=datetime.timedelta(seconds=t.timeout_s))
+            group = self.group = _make_group(dist.PrefixStore(self.prefix, self.store), 0, t.device, t.timeout_s)
             message = _message_buffer(t.capacity, t.layout.torch_dtype, t.device)
             header, payload = _split(message, t.layout.torch_dtype)
             exact_sizes = t.device.type == "cuda"

@@ -2,6 +2,7 @@
 pieces are cut to the receiver's advertised capacity, and endpoints are checked."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -74,6 +75,29 @@ def test_a_stranger_without_the_pair_key_cannot_join():
     with pytest.raises(KVTransportError, match="cannot join KV pair"):
         TorchTransport("stranger", LAYOUT, "cpu", max_piece_tokens=8, timeout_s=3).connect(guessed)
     sender = connect(TorchTransport("p", LAYOUT, "cpu", max_piece_tokens=8), endpoint)
+    try:
+        res = table.register("r", [0, 1], 6, peer="p")
+        kv = torch.randn(LAYOUT.num_layers, 2, 6, 2, 8)
+        for layer in range(LAYOUT.num_layers):
+            sender.send(res.transfer_id, layer, 0, kv[layer, 0], kv[layer, 1])
+        assert res.done.wait(30) and res.complete, res.error
+    finally:
+        sender.close()
+        receiver.wait_closed("p")
+        receiver.close()
+
+
+def test_a_pair_whose_peer_never_comes_does_not_hold_up_another():
+    """The decode worker accepts pairs for several prefill workers; one that never connects
+    (it died after asking) must not stall the others' rendezvous. Its wait here would last
+    600 s: the other pair forms long before."""
+    cache = torch.zeros(LAYOUT.num_layers, 2, 4, LAYOUT.block_size, 2, 8)
+    table = ReservationTable(LAYOUT, cache)
+    receiver = TorchTransport("d", LAYOUT, "cpu", max_piece_tokens=8, timeout_s=600)
+    receiver.listen(table)
+    receiver.accept("never")
+    time.sleep(0.5)  # its receiver is now waiting for its peer
+    sender = connect(TorchTransport("p", LAYOUT, "cpu", max_piece_tokens=8), receiver.accept("p"))
     try:
         res = table.register("r", [0, 1], 6, peer="p")
         kv = torch.randn(LAYOUT.num_layers, 2, 6, 2, 8)
