@@ -5,7 +5,9 @@ two cores (every worker runs one thread; OMP_NUM_THREADS=1):
 - `disaggregated`: 2 prefill + 2 decode workers, every prompt prefilled remotely,
   least-loaded routing (DistServe-style, always disaggregated);
 - `pdserve`: 2 prefill + 2 decode workers, cache-aware routing, the decode worker prefilling
-  short uncached tails itself (the per-request decision).
+  short uncached tails itself (the per-request decision);
+- (`pdserve-least-loaded`, on request: the same with least-loaded routing, to split the
+  gain between the routing and the decision).
 
 All three have prefix caching on. Workloads, replayed through the real service (Ray,
 router, HTTP) with the clients of benchmarks/prefix_reuse.py: `multi-turn-chat` (each turn
@@ -39,8 +41,11 @@ CONFIGS = {
                   "router.routing": "least-loaded"},
     "disaggregated": {**SPLIT, "local_prefill_max_tokens": 0, "router.routing": "least-loaded"},
     "pdserve": {**SPLIT, "local_prefill_max_tokens": 256, "router.routing": "cache-aware"},
+    # pdserve without cache-aware routing: what the routing alone adds (not run by default)
+    "pdserve-least-loaded": {**SPLIT, "local_prefill_max_tokens": 256, "router.routing": "least-loaded"},
 }
-LOCAL_PREFILL = {"colocated": None, "disaggregated": 0, "pdserve": 256}
+DEFAULT_CONFIGS = "colocated,disaggregated,pdserve"
+LOCAL_PREFILL = {"colocated": None, "disaggregated": 0, "pdserve": 256, "pdserve-least-loaded": 256}
 
 
 def attainment(results: list[dict], ttft_slo: float, tpot_slo: float) -> tuple[int, int]:
@@ -131,15 +136,17 @@ def main() -> None:
                              "at the trace's own rate)")
     parser.add_argument("--ttft-slo", type=float, default=2.0, help="seconds (default: 2)")
     parser.add_argument("--tpot-slo", type=float, default=0.35, help="seconds (default: 0.35)")
-    parser.add_argument("--configs", default=",".join(CONFIGS), help="which of " + ", ".join(CONFIGS))
+    parser.add_argument("--configs", default=DEFAULT_CONFIGS,
+                        help=f"which of {', '.join(CONFIGS)} (default: {DEFAULT_CONFIGS})")
+    parser.add_argument("--workloads", default="multi-turn-chat,shared-prefix,interference",
+                        help="which workloads (default: all three)")
     parser.add_argument("--profile", type=Path, default=ROOT / "benchmarks" / "results" / "profile_1core.json",
                         help="`pdserve profile` of one worker on one core, for the planner's predictions")
     parser.add_argument("--port", type=int, default=8021)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "routing.json")
     args = parser.parse_args()
-    workloads = {"multi-turn-chat": workload_rows("multi-turn-chat", args.sessions),
-                 "shared-prefix": workload_rows("shared-prefix", args.questions),
-                 "interference": workload_rows("interference", args.interference)}
+    limits = {"multi-turn-chat": args.sessions, "shared-prefix": args.questions, "interference": args.interference}
+    workloads = {w: workload_rows(w, limits[w]) for w in args.workloads.split(",")}
     scales = {"multi-turn-chat": 1.0, "shared-prefix": args.shared_prefix_time_scale, "interference": 1.0}
     with local_ray(num_cpus=2):
         configs = {name: run_config(name, workloads, scales, args) for name in args.configs.split(",")}
