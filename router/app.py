@@ -32,7 +32,7 @@ from router.cache_index import PromptKeys
 from router.errors import APIError, install_handlers, validation_message
 from router.generation import Generation, GenerationError
 from router.metrics import RouterMetrics
-from router.policies import DEFAULT_POLICY, CacheAwareWeights, RouteRequest, make_policy
+from router.policies import DEFAULT_POLICY, CacheAwareWeights, RouteRequest, decode_busy, make_policy
 from router.registry import WorkerRegistry
 
 logger = logging.getLogger("router")
@@ -97,11 +97,13 @@ class Router:
 
     def routing_summary(self) -> dict:
         """The policy and its cache index at a glance (`pdserve status`): per worker, the
-        blocks the index holds for it (reported, expected); overall, the cached prompt
-        tokens the index predicted vs those the workers found."""
+        blocks the index holds for it (reported, expected); the requests the router counts
+        on each decode worker; overall, the cached prompt tokens the index predicted vs
+        those the workers found."""
         index = self.registry.cache_index
         workers = {w: dict(zip(("held", "expected"), index.size(w), strict=True)) for w in index.worker_ids()}
-        return {"policy": self.policy.name, "index": workers,
+        load = {v.worker_id: decode_busy(v) for v in self.registry.workers("decode", routable=False)}
+        return {"policy": self.policy.name, "index": workers, "decode_load": load,
                 "expected_cached_tokens": self.metrics.cached_tokens["expected"],
                 "actual_cached_tokens": self.metrics.cached_tokens["actual"]}
 

@@ -19,8 +19,17 @@ from tests.e2e.http import get, metric, post
 @pytest.fixture(scope="module")
 def pool(ray_cluster, tiny_llama_dir):
     controller, url = start_service(tiny_llama_dir, **{"prefill.replicas": 2, "decode.replicas": 2})
+    # the router learns each worker's hash root on its first cache poll: wait for all four
+    wait_for(lambda: len(status(controller)["routing"]["index"]) == 4, "the router's index tracks every worker")
     yield controller, url, str(tiny_llama_dir)
     stop_service(controller)
+
+
+def wait_for(condition, what: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.05)
 
 
 def ids_of(n: int, seed: int) -> list[int]:
@@ -91,6 +100,8 @@ def test_a_conversation_stays_where_its_kv_is_even_when_that_worker_is_busier(po
     for turn in range(2, 5):
         reusable = 16 * ((len(history) - 1) // 16)  # the last turn's prompt, in whole blocks
         history = history + out["choices"][0]["token_ids"] + ids_of(24, turn)
+        # the router's view of the last turn has caught up (its worker reports it finished)
+        wait_for(lambda: status(controller)["routing"]["decode_load"][home] == 0, "the router sees home idle")
         busy = OpenStream(url, {"model": "tiny", "prompt": history + ids_of(16, 100 + turn), "max_tokens": 500,
                                 "ignore_eos": True})
         try:
