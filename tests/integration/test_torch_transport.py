@@ -23,6 +23,20 @@ def connect(sender_side: TorchTransport, endpoint: str):
     return holder["sender"]
 
 
+def ship_six_tokens(table, sender, receiver) -> None:
+    """Send 6 tokens of KV from peer "p" over the pair and check they arrive; then close it."""
+    try:
+        res = table.register("r", [0, 1], 6, peer="p")
+        kv = torch.randn(LAYOUT.num_layers, 2, 6, 2, 8)
+        for layer in range(LAYOUT.num_layers):
+            sender.send(res.transfer_id, layer, 0, kv[layer, 0], kv[layer, 1])
+        assert res.done.wait(30) and res.complete, res.error
+    finally:
+        sender.close()
+        receiver.wait_closed("p")
+        receiver.close()
+
+
 def test_sender_cuts_pieces_to_the_receivers_capacity():
     """A prefill worker configured for bigger pieces than the decode worker can stage must
     still deliver every token intact (the endpoint tells it the receiver's capacity)."""
@@ -75,16 +89,7 @@ def test_a_stranger_without_the_pair_key_cannot_join():
     with pytest.raises(KVTransportError, match="cannot join KV pair"):
         TorchTransport("stranger", LAYOUT, "cpu", max_piece_tokens=8, timeout_s=3).connect(guessed)
     sender = connect(TorchTransport("p", LAYOUT, "cpu", max_piece_tokens=8), endpoint)
-    try:
-        res = table.register("r", [0, 1], 6, peer="p")
-        kv = torch.randn(LAYOUT.num_layers, 2, 6, 2, 8)
-        for layer in range(LAYOUT.num_layers):
-            sender.send(res.transfer_id, layer, 0, kv[layer, 0], kv[layer, 1])
-        assert res.done.wait(30) and res.complete, res.error
-    finally:
-        sender.close()
-        receiver.wait_closed("p")
-        receiver.close()
+    ship_six_tokens(table, sender, receiver)
 
 
 def test_a_pair_whose_peer_never_comes_does_not_hold_up_another():
@@ -98,13 +103,4 @@ def test_a_pair_whose_peer_never_comes_does_not_hold_up_another():
     receiver.accept("never")
     time.sleep(0.5)  # its receiver is now waiting for its peer
     sender = connect(TorchTransport("p", LAYOUT, "cpu", max_piece_tokens=8), receiver.accept("p"))
-    try:
-        res = table.register("r", [0, 1], 6, peer="p")
-        kv = torch.randn(LAYOUT.num_layers, 2, 6, 2, 8)
-        for layer in range(LAYOUT.num_layers):
-            sender.send(res.transfer_id, layer, 0, kv[layer, 0], kv[layer, 1])
-        assert res.done.wait(30) and res.complete, res.error
-    finally:
-        sender.close()
-        receiver.wait_closed("p")
-        receiver.close()
+    ship_six_tokens(table, sender, receiver)
