@@ -11,6 +11,7 @@ failure after that ends the request with a clear error. Leaving the generator ea
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -144,6 +145,14 @@ class Generation:
                 raise GenerationError(exc.details(), 400) from None
             router.registry.mark_unhealthy(decode)
             raise GenerationError(f"decode worker {decode.worker_id} failed: {code.name}: {exc.details()}") from None
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():
+                raise  # our own task is being cancelled (client gone, shutdown)
+            # gRPC cancels the calls of a channel the registry closed: the worker left the pool
+            router.registry.mark_unhealthy(decode)
+            if self.result.first_token_at is None:
+                raise _RetryElsewhere("it left the pool") from None
+            raise GenerationError(f"decode worker {decode.worker_id} failed: it left the pool mid-request") from None
         finally:
             decode.inflight -= 1
             if prefill and self.result.first_token_at is None:

@@ -27,8 +27,6 @@ WRONG = Security("not-the-cluster-token-" + "x" * 10)
 PROMPT = list(range(5, 45))
 
 
-
-
 def stranger(kind: str, address: str, credentials: Security | None):
     """A stub with the wrong token, or (None) a plain channel that sends none at all."""
     if credentials is not None:
@@ -93,11 +91,14 @@ def test_prefill_worker_refuses_every_rpc(pair, bad):
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
                     await call
                 assert _refused(refused)
+            # The stream is refused on its headers, before any message: wait for that status,
+            # then try to send a start anyway. (Sending the start with the headers races the
+            # refusal; the client may then report its failed send as INTERNAL.)
+            stream = intruder.Prefill()
+            assert await asyncio.wait_for(stream.code(), 30) == grpc.StatusCode.UNAUTHENTICATED
             start = pb.PrefillClientMessage(start=pb.PrefillRequest(request_id="s", prompt_token_ids=PROMPT))
-            with pytest.raises(grpc.aio.AioRpcError) as refused:
-                async for _ in intruder.Prefill(iter([start])):
-                    pass
-            assert _refused(refused)
+            with pytest.raises((grpc.aio.AioRpcError, asyncio.InvalidStateError)):
+                await stream.write(start)
         good_channel, good = prefill_stub(prefill.address)
         async with good_channel:
             return await good.Stats(pb.StatsRequest())
