@@ -154,7 +154,7 @@ class Generation:
                 raise _RetryElsewhere("it left the pool") from None
             raise GenerationError(f"decode worker {decode.worker_id} failed: it left the pool mid-request") from None
         finally:
-            decode.inflight -= 1
+            decode.note_closed()
             if prefill and self.result.first_token_at is None:
                 prefill[0].inflight_tokens -= len(self.prompt_ids)
             if not worker_done:

@@ -56,8 +56,7 @@ class RoutingPolicy(ABC):
 
 def decode_busy(view: WorkerView) -> int:
     """Requests on a decode worker: this router's open ones, or the worker's own count if larger."""
-    s = view.stats
-    return max(view.open_requests, (s.num_running + s.num_waiting + s.num_waiting_for_kv) if s else 0)
+    return max(view.open_requests, view.reported_busy)
 
 
 def kv_free_fraction(view: WorkerView) -> float:

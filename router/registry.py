@@ -34,6 +34,8 @@ class WorkerView:
     stub: object
     stats: pb.WorkerStats | None = None
     inflight: int = 0  # requests this router has open on the worker
+    closed: int = 0  # requests this router has closed on the worker, ever
+    closed_before_stats: int = 0  # `closed` when the current `stats` were asked for
     routed: dict[str, float] = field(default_factory=dict)  # picked, stream not yet opened: id -> when
     inflight_tokens: int = 0  # prompt tokens this router sent it (prefill) not yet prefilled
     unhealthy_until: float = 0.0
@@ -55,6 +57,20 @@ class WorkerView:
     def note_opened(self, request_id: str) -> None:
         self.routed.pop(request_id, None)
         self.inflight += 1
+
+    def note_closed(self) -> None:
+        self.inflight -= 1
+        self.closed += 1
+
+    @property
+    def reported_busy(self) -> int:
+        """Requests on the worker by its last Stats report, less those this router closed
+        since it asked for that report (a chat client's next turn comes the moment the last
+        one ends: a report from before then must not make the worker look busy)."""
+        s = self.stats
+        if s is None:
+            return 0
+        return max(0, s.num_running + s.num_waiting + s.num_waiting_for_kv - (self.closed - self.closed_before_stats))
 
     @property
     def open_requests(self) -> int:
@@ -145,8 +161,10 @@ class WorkerRegistry:
 
     async def poll_stats(self) -> None:
         async def one(view: WorkerView) -> None:
+            closed = view.closed
             try:
                 view.stats = await view.stub.Stats(pb.StatsRequest(), timeout=2)
+                view.closed_before_stats = closed
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:  # unreachable, not merely slow
                     self.mark_unhealthy(view)

@@ -77,3 +77,19 @@ def test_policies_by_name():
         make_policy("nearest")
     with pytest.raises(ValueError, match="must be >= 0"):
         CacheAwareWeights(request_tokens=-1)
+
+
+def test_a_chat_turn_right_after_the_last_one_ended_stays_despite_a_stale_report():
+    """The worker's last report (asked before the previous turn ended) still counts that turn;
+    the router closed it since, so the worker is idle and the conversation's cache wins."""
+    policy = CacheAware(CacheAwareWeights(request_tokens=256, kv_tokens=0))
+    a, b = view("a", running=1), view("b")
+    a.note_opened("turn-1")
+    a.closed_before_stats = a.closed  # the report on `a` was asked for while turn 1 ran
+    route = RouteRequest(200, matched={"a": 128})  # 128 cached tokens: half an open request
+    assert policy.pick_decode([a, b], route) is b  # turn 1 still running: b is the better bet
+    a.note_closed()  # turn 1 ends; the next Stats poll has not come back yet
+    assert policy.pick_decode([a, b], route) is a
+    a.closed_before_stats = a.closed  # a later report counts on its own
+    a.stats.num_running = 0
+    assert policy.pick_decode([a, b], route) is a
