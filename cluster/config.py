@@ -61,6 +61,8 @@ class RouterSpec(BaseModel):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     admin_token: str | None = Field(None, description="bearer token for /admin (or env PDSERVE_ADMIN_TOKEN)")
     request_timeout_s: float = Field(600.0, gt=0)
+    max_migrations: int = Field(2, ge=0, description="times a request whose decode worker fails mid-stream is "
+                                                     "resumed on another (0: the client gets the error)")
     api_keys: list[str] | None = Field(None, description="bearer keys /v1 requires (or env PDSERVE_API_KEY, "
                                                          "comma-separated); none: /v1 is open")
     metrics_require_key: bool = Field(False, description="/metrics requires an API key too")

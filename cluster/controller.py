@@ -88,6 +88,7 @@ class Controller:
                              max_inflight_requests=cfg.router.max_inflight_requests,
                              max_body_bytes=cfg.router.max_body_bytes, admin_token=cfg.admin_token(),
                              kv_transport=cfg.kv_transport, request_timeout_s=cfg.router.request_timeout_s,
+                             max_migrations=cfg.router.max_migrations,
                              security=cfg.security(), api_keys=api_keys_from(cfg.router.api_keys),
                              metrics_require_key=cfg.router.metrics_require_key,
                              https_cert_file=cfg.router.https_cert_file, https_key_file=cfg.router.https_key_file)

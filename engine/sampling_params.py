@@ -11,7 +11,10 @@ class SamplingParams:
 
     `temperature == 0` is greedy. `top_k <= 0` and `top_p == 1` disable those filters.
     With a `seed`, the token at output position i is a function of (seed, i, logits) only;
-    without one, the engine draws a seed for the request.
+    without one, the engine draws a seed for the request. `first_position` is the output
+    position of the first token this request samples: 0, or for a request resumed elsewhere
+    (its prompt then ends with the tokens already generated) the number generated before, so
+    that it continues with exactly the tokens an unbroken run would have sampled.
     """
 
     max_tokens: int = 16
@@ -23,6 +26,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    first_position: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -31,6 +35,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         _require_int("max_tokens", self.max_tokens, "an integer >= 1", low=1)
         _require_int("top_k", self.top_k, "an integer (<= 0 disables it)")
+        _require_int("first_position", self.first_position, "an integer >= 0", low=0)
         if self.seed is not None:
             _require_int("seed", self.seed, "an integer in [0, 2**63)", low=0, high=2**63 - 1)
         if not _is_number(self.temperature) or self.temperature < 0:

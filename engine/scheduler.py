@@ -207,7 +207,7 @@ class Scheduler:
             start_pos=start,
             block_table=list(self.block_manager.block_table(request.request_id)),
             sample=start + num_new == request.num_tokens,
-            output_index=len(request.output_token_ids),
+            output_index=request.sampling_params.first_position + len(request.output_token_ids),
             seed=request.seed,
             sampling_params=request.sampling_params,
         )

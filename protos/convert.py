@@ -20,6 +20,7 @@ def sampling_from_proto(message: pb.SamplingOptions) -> SamplingParams:
         seed=int(message.seed) if message.HasField("seed") else None,
         stop_token_ids=tuple(int(t) for t in message.stop_token_ids),
         ignore_eos=bool(message.ignore_eos),
+        first_position=int(message.first_position),
     )
 
 
@@ -27,6 +28,7 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingOptions:
     message = pb.SamplingOptions(
         max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
         top_k=params.top_k, stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
+        first_position=params.first_position,
     )
     if params.seed is not None:
         message.seed = params.seed

@@ -51,6 +51,7 @@ class RouterConfig:
     admin_token: str | None = None
     kv_transport: str = "torch"
     request_timeout_s: float = 600.0
+    max_migrations: int = 2  # times one request's failed decode leg is resumed on another worker
     security: Security | None = None  # cluster token (and TLS) for the router's RPCs to workers
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: /v1 is open
     metrics_require_key: bool = False  # /metrics needs an API key too

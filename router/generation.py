@@ -4,15 +4,21 @@ Lifecycle (DESIGN.md): RECEIVED → ROUTED(P, D) → STREAMING → FINISHED | AB
 The router picks a decode worker and the prefill workers it may use, opens the decode
 worker's `Generate` stream, detokenizes, and applies stop strings (cancelling the stream
 when one matches, which aborts the request on both workers). A decode worker that is
-unavailable before the first token (draining, or gone) is replaced once by another; a
-failure after that ends the request with a clear error. Leaving the generator early
+unavailable before the first token (draining, or gone) is replaced once by another. After
+the first token, a failed leg (worker killed, unreachable, hung past keepalive, or gone from
+the pool) is resumed on another decode worker: the prompt plus the tokens sent so far, the
+same seed, the sampling positions continuing (`SamplingParams.first_position`), so greedy and
+seeded output is exactly what an unbroken run gives (the router resolves unseeded requests'
+seeds itself). Past `max_migrations`, the client gets the error. Leaving the generator early
 (client gone) cancels the stream.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import random
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -24,6 +30,7 @@ from engine.sampling_params import SamplingParams
 from protos import pdserve_pb2 as pb
 from protos.convert import sampling_to_proto
 from router.cache_index import PromptKeys
+from router.errors import APIError
 from router.policies import RouteRequest
 
 logger = logging.getLogger(__name__)
@@ -68,61 +75,101 @@ class Generation:
         """`route`: what the policy knows of the request; `decode`: the decode worker already
         picked for the first attempt (None: pick one)."""
         self.router, self.request_id = router, request_id
-        self.prompt, self.prompt_ids, self.params, self.route = prompt, prompt.token_ids, params, route
+        self.prompt, self.prompt_ids, self.route = prompt, prompt.token_ids, route
+        if params.seed is None:  # resolved here, so a leg resumed elsewhere samples alike
+            params = dataclasses.replace(params, seed=_SEEDS.getrandbits(63))
+        self.params = params
         self._first_decode = decode
         self.result = Result()
         self.started = time.perf_counter()
+        self.output_ids: list[int] = []  # every token sent to the client, across legs
+        self.migrations = 0
+        self._detok = IncrementalDetokenizer(router.tokenizer, self.prompt_ids, params.stop,
+                                             params.skip_special_tokens)
 
     async def deltas(self) -> AsyncIterator[Delta]:
+        """The request's text as it comes. Before the first token, an unavailable decode
+        worker is replaced once; after it, a failed leg is resumed on another decode worker
+        (up to `max_migrations` times) from the tokens already sent, so the client sees one
+        unbroken stream."""
         tried: set[str] = set()
-        for attempt in range(2):
-            decode = self._first_decode if attempt == 0 and self._first_decode else \
-                self.router.pick_decode(self.route, exclude=tried)
+        decode = self._first_decode or self.router.pick_decode(self.route)
+        replaced = False
+        while True:
             tried.add(decode.worker_id)
             try:
-                async for delta in self._stream_from(decode):
+                async for delta in self._leg(decode):
                     yield delta
                 return
             except _RetryElsewhere as exc:
+                if replaced:
+                    raise GenerationError("no decode worker could take the request; retry later") from None
+                replaced = True
                 logger.warning("request_id=%s decode worker %s unavailable (%s); retrying",
                                self.request_id, decode.worker_id, exc)
-                self.router.registry.mark_unhealthy(decode)
-        raise GenerationError("no decode worker could take the request; retry later")
+            except _LegFailed as exc:
+                if self.migrations >= self.router.config.max_migrations:
+                    raise GenerationError(str(exc)) from None
+                self.migrations += 1
+                self.router.metrics.migrations.labels(exc.reason).inc()
+                logger.warning("request_id=%s migrating after %d tokens (%d of at most %d): %s",
+                               self.request_id, len(self.output_ids), self.migrations,
+                               self.router.config.max_migrations, exc)
+            self.router.registry.mark_unhealthy(decode)
+            try:
+                decode = self.router.pick_decode(self._leg_route(), exclude=tried)
+            except APIError:
+                raise GenerationError("no other decode worker could take the request; retry later") from None
 
-    async def _stream_from(self, decode) -> AsyncIterator[Delta]:
-        router, params = self.router, self.params
-        prefill = router.order_prefill(self.route, decode)[:2]
+    def _leg_route(self) -> RouteRequest:
+        """The route of the next leg: the prompt plus the tokens generated so far."""
+        if not self.output_ids:
+            return self.route
+        return self.router.route_request(PromptKeys(self.prompt_ids + self.output_ids), self.route.session)
+
+    async def _leg(self, decode) -> AsyncIterator[Delta]:
+        """One decode worker's part of the request: from the start, or resumed after the
+        tokens already generated (its prompt ends with them, its sampling positions and
+        `max_tokens` continue where the last leg stopped)."""
+        router, done = self.router, len(self.output_ids)
+        params = self.params if not done else dataclasses.replace(
+            self.params, max_tokens=self.params.max_tokens - done, first_position=self.params.first_position + done)
+        prompt = self.prompt if not done else PromptKeys(self.prompt_ids + self.output_ids)
+        route = self.route if not done else self._leg_route()
+        prefill = router.order_prefill(route, decode)[:2]
         request = pb.GenerateRequest(
-            request_id=self.request_id, prompt_token_ids=self.prompt_ids,
+            request_id=self.request_id, prompt_token_ids=prompt.token_ids,
             sampling=sampling_to_proto(params), prefill_addresses=[p.address for p in prefill],
             kv_transport=router.config.kv_transport,
             prefill_queued_tokens=prefill[0].queued_prefill_tokens if prefill else 0,
         )
-        detok = IncrementalDetokenizer(router.tokenizer, self.prompt_ids, params.stop, params.skip_special_tokens)
         self.result.decode_worker = decode.worker_id
         call = decode.stub.Generate(request, timeout=router.config.request_timeout_s)
         index = router.registry.cache_index
-        index.expect(decode.worker_id, self.prompt)  # its blocks will be cached there, however prefilled
-        output_ids: list[int] = []
+        index.expect(decode.worker_id, prompt)  # its blocks will be cached there, however prefilled
         decode.note_opened(self.request_id)
         if prefill:
-            prefill[0].inflight_tokens += len(self.prompt_ids)
+            prefill[0].inflight_tokens += len(prompt.token_ids)
+        first = True  # no token from this leg yet
         worker_done = False  # the decode worker ended the request itself
+        detok = self._detok
         try:
             async for chunk in call:
-                if self.result.first_token_at is None and chunk.token_ids:
-                    self.result.first_token_at = time.perf_counter()
-                    self.result.prefilled_by = chunk.prefilled_by
-                    self.result.num_cached_tokens = chunk.num_cached_tokens
-                    self.result.expected_cached_tokens = self._expected_cached(decode, prefill, chunk.prefilled_by)
+                if first and chunk.token_ids:
+                    first = False
+                    if prefill:
+                        prefill[0].inflight_tokens -= len(prompt.token_ids)
                     for worker in prefill:
                         if worker.worker_id == chunk.prefilled_by:  # and where it was prefilled
-                            index.expect(worker.worker_id, self.prompt)
-                    if prefill:
-                        prefill[0].inflight_tokens -= len(self.prompt_ids)
+                            index.expect(worker.worker_id, prompt)
+                    if self.result.first_token_at is None:
+                        self.result.first_token_at = time.perf_counter()
+                        self.result.prefilled_by = chunk.prefilled_by
+                        self.result.num_cached_tokens = chunk.num_cached_tokens
+                        self.result.expected_cached_tokens = self._expected_cached(decode, prefill, chunk.prefilled_by)
                 text = "".join(detok.add_token(t) for t in chunk.token_ids if not detok.stopped)
                 self.result.num_completion_tokens += len(chunk.token_ids)
-                output_ids.extend(chunk.token_ids)
+                self.output_ids.extend(chunk.token_ids)
                 worker_done = bool(chunk.finish_reason)
                 finish = "stop" if detok.stopped else (chunk.finish_reason or None)
                 if finish:
@@ -130,35 +177,42 @@ class Generation:
                     self.result.finish_reason = finish
                     # the conversation so far stays cached on the decode worker (all but the
                     # last token, whose KV was never computed): its next turn will look for it
-                    index.expect(decode.worker_id, PromptKeys(self.prompt_ids + output_ids))
+                    index.expect(decode.worker_id, PromptKeys(self.prompt_ids + self.output_ids))
                     yield Delta(text, list(chunk.token_ids), finish)
                     return
                 if text or chunk.token_ids:
                     yield Delta(text, list(chunk.token_ids))
-            raise GenerationError("decode worker ended the stream without a finish reason", 502)
+            raise self._failed(decode, "ended_early", "ended the stream without a finish reason", 502)
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
-            if self.result.first_token_at is None and code in (grpc.StatusCode.UNAVAILABLE,
-                                                               grpc.StatusCode.ALREADY_EXISTS):
-                raise _RetryElsewhere(exc.details()) from None
             if code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise GenerationError(exc.details(), 400) from None
+            if not self.output_ids and code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ALREADY_EXISTS):
+                raise _RetryElsewhere(exc.details()) from None
+            if code in _MIGRATABLE:
+                raise self._failed(decode, code.name.lower(), f"{code.name}: {exc.details()}") from None
             router.registry.mark_unhealthy(decode)
             raise GenerationError(f"decode worker {decode.worker_id} failed: {code.name}: {exc.details()}") from None
         except asyncio.CancelledError:
             if asyncio.current_task().cancelling():
                 raise  # our own task is being cancelled (client gone, shutdown)
             # gRPC cancels the calls of a channel the registry closed: the worker left the pool
-            router.registry.mark_unhealthy(decode)
-            if self.result.first_token_at is None:
+            if not self.output_ids:
                 raise _RetryElsewhere("it left the pool") from None
-            raise GenerationError(f"decode worker {decode.worker_id} failed: it left the pool mid-request") from None
+            raise self._failed(decode, "worker_left", "it left the pool mid-request") from None
         finally:
             decode.note_closed()
-            if prefill and self.result.first_token_at is None:
-                prefill[0].inflight_tokens -= len(self.prompt_ids)
+            if prefill and first:
+                prefill[0].inflight_tokens -= len(prompt.token_ids)
             if not worker_done:
                 call.cancel()  # stop string, client gone or error: abort on the workers
+
+    def _failed(self, decode, reason: str, what: str, status: int = 503) -> Exception:
+        """A leg's failure: resumable once it has sent tokens, else the client's error."""
+        message = f"decode worker {decode.worker_id} failed: {what}"
+        if self.output_ids:
+            return _LegFailed(message, reason)
+        return GenerationError(message, status)
 
     def _expected_cached(self, decode, prefill, prefilled_by: str) -> int:
         """The cached prompt tokens the route predicted for the worker that prefilled."""
@@ -171,4 +225,20 @@ class Generation:
 
 
 class _RetryElsewhere(Exception):
-    pass
+    """The decode worker could not take the request (no token yet): try another."""
+
+
+class _LegFailed(Exception):
+    """The decode leg failed after sending tokens: resume it elsewhere."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+# After the first token, these end a leg in a way another decode worker can take over from:
+# the worker is gone or unreachable (UNAVAILABLE), shut its server (CANCELLED), or failed
+# inside (INTERNAL, UNKNOWN). A DEADLINE_EXCEEDED leg used the request's whole timeout.
+_MIGRATABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
+                         grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED})
+_SEEDS = random.SystemRandom()

@@ -67,6 +67,8 @@ class RouterMetrics:
         self.actual_cached = Counter("pdserve_router_actual_cached_tokens", "prompt tokens the prefilling worker "
                                      "found cached (compare with the expected: the index's accuracy)", registry=r)
         self.cached_tokens = {"expected": 0, "actual": 0}  # the two counters above, readable
+        self.migrations = Counter("pdserve_migrations", "decode legs resumed on another decode worker after "
+                                  "failing mid-stream, by why the leg failed", ["reason"], registry=r)
         self.e2e = Histogram("pdserve_e2e_seconds", "request latency", buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_depth = Gauge("pdserve_pool_queue_depth", "waiting requests per pool", ["pool"], registry=r)
         self.queued_tokens = Gauge("pdserve_pool_queued_prefill_tokens", "prompt tokens not yet computed",

@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="past this many open requests new ones get 429 with Retry-After (default: 256)")
     parser.add_argument("--kv-transport", default="torch", choices=["torch", "grpc"],
                         help="how prefill workers ship KV to decode workers (default: torch)")
+    parser.add_argument("--max-migrations", type=int, default=2,
+                        help="times a request whose decode worker fails mid-stream is resumed on another, "
+                             "token-exact (default: 2; 0: the client gets the error)")
     parser.add_argument("--api-key", action="append", default=None,
                         help=f"require `Authorization: Bearer KEY` on /v1 (repeatable; default: ${API_KEY_ENV})")
     parser.add_argument("--https-cert", default=None, help="serve HTTPS with this certificate (PEM)")
@@ -65,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                           host=args.host, port=args.port, routing=args.routing,
                           cache_aware=CacheAwareWeights(args.cache_aware_request_tokens, args.cache_aware_kv_tokens),
                           max_inflight_requests=args.max_inflight_requests, kv_transport=args.kv_transport,
+                          max_migrations=args.max_migrations,
                           admin_token=os.environ.get("PDSERVE_ADMIN_TOKEN"), security=security,
                           api_keys=api_keys_from(args.api_key), https_cert_file=args.https_cert,
                           https_key_file=args.https_key)

@@ -1,10 +1,13 @@
-"""The router's decode leg when its worker goes away mid-stream, over real worker processes
-and real gRPC: a worker that leaves the router's membership (the registry closes its channel,
-which cancels the open calls) ends the request with an error the client is told, never an
-unhandled cancellation that cuts the HTTP stream."""
+"""Token-exact stream migration, over real worker processes, real gRPC and real HTTP: a
+decode worker SIGKILLed mid-stream, or leaving the router's membership (the registry closes
+its channel, which cancels the open calls), and the request goes on on another decode
+worker with exactly the tokens an unbroken run gives; past `max_migrations` the client gets
+an error, never a cut stream."""
 
 import asyncio
+import dataclasses
 
+import aiohttp
 import pytest
 
 from engine.sampling_params import SamplingParams
@@ -12,45 +15,154 @@ from router.app import Router, RouterConfig
 from router.cache_index import PromptKeys
 from router.generation import Generation, GenerationError
 from router.registry import WorkerRegistry
-from testkit.workers import SECURITY, WorkerProcess
+from testkit.workers import SECURITY, RouterProcess, WorkerProcess, stats_of, wait_idle_at
+from tests.e2e.http import metric
 
 PROMPT = list(range(7, 47))
+MAX_TOKENS = 600
+
+
+async def _stream_ids(url: str, body: dict, after: int | None = None, on_tokens=None):
+    """Stream a completion with token ids; once `after` tokens arrived, await `on_tokens()`.
+    Returns (token ids, finish reasons seen, usage, error events, saw [DONE])."""
+    import json
+
+    ids, finishes, usage, errors, done = [], [], None, [], False
+    async with aiohttp.ClientSession() as session, \
+            session.post(url + "/v1/completions", json={**body, "stream": True, "return_token_ids": True,
+                                                        "stream_options": {"include_usage": True}}) as response:
+        assert response.status == 200, await response.text()
+        async for raw in response.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                break
+            event = json.loads(line[len("data: "):])
+            if "error" in event:
+                errors.append(event["error"])
+            elif event.get("usage") and not event["choices"]:
+                usage = event["usage"]
+            else:
+                choice = event["choices"][0]
+                ids.extend(choice.get("token_ids") or [])
+                if choice.get("finish_reason"):
+                    finishes.append(choice["finish_reason"])
+            if on_tokens is not None and after is not None and len(ids) >= after:
+                await on_tokens()
+                on_tokens = None
+    return ids, finishes, usage, errors, done
+
+
+async def _serving(decode_workers) -> WorkerProcess:
+    """The decode worker running the (only) request."""
+    for _ in range(200):
+        for worker in decode_workers:
+            if worker.proc.poll() is None and (await stats_of(worker.address, "decode")).num_running:
+                return worker
+        await asyncio.sleep(0.01)
+    raise AssertionError("no decode worker is running the request")
+
+
+@pytest.fixture(scope="module")
+def killable(tiny_llama_dir):
+    """A bare router over one prefill and three decode workers; each test kills one."""
+    model = str(tiny_llama_dir)
+    with WorkerProcess("prefill", model) as p, WorkerProcess("decode", model) as d1, \
+            WorkerProcess("decode", model) as d2, WorkerProcess("decode", model) as d3, \
+            RouterProcess(model, [p.address], [d1.address, d2.address, d3.address]) as r:
+        yield r, [d1, d2, d3]
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "top_p": 0.95, "seed": 1234}],
+                         ids=["greedy", "seeded-sampled"])
+def test_a_decode_worker_killed_mid_stream_is_resumed_token_exact(killable, sampling):
+    router, decode = killable
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "ignore_eos": True, **sampling}
+    reference, _, _, _, _ = asyncio.run(_stream_ids(router.url, body))
+    migrations_before = metric(router.url, 'pdserve_migrations_total{reason="unavailable"}')
+    killed = []
+
+    async def kill_the_serving_worker():
+        victim = await _serving(decode)
+        victim.kill()
+        killed.append(victim)
+
+    ids, finishes, usage, errors, done = asyncio.run(_stream_ids(router.url, body, 20, kill_the_serving_worker))
+    assert len(reference) == MAX_TOKENS
+    assert not errors and done and finishes == ["length"], (errors, finishes)
+    assert ids == reference, "the resumed stream differs from an unbroken run"
+    assert usage["completion_tokens"] == MAX_TOKENS and usage["prompt_tokens"] == len(PROMPT)
+    assert metric(router.url, 'pdserve_migrations_total{reason="unavailable"}') == migrations_before + 1
+    for survivor in [d for d in decode if d.proc.poll() is None]:
+        idle = asyncio.run(wait_idle_at(survivor.address, "decode"))
+        assert idle.num_free_blocks == idle.num_total_blocks
 
 
 @pytest.fixture(scope="module")
 def workers(tiny_llama_dir):
     model = str(tiny_llama_dir)
-    with WorkerProcess("prefill", model) as p, WorkerProcess("decode", model) as d:
-        yield p, d
+    with WorkerProcess("prefill", model) as p, WorkerProcess("decode", model) as d1, \
+            WorkerProcess("decode", model) as d2:
+        yield p, d1, d2
 
 
-def test_a_decode_worker_leaving_mid_stream_fails_the_request_cleanly(workers, tiny_llama_dir):
-    prefill, decode = workers
-    members = [{"role": "prefill", "worker_id": "p1", "address": prefill.address, "state": "ready"},
-               {"role": "decode", "worker_id": "d1", "address": decode.address, "state": "ready"}]
+def _leave_mid_stream(workers, tiny_llama_dir, params: SamplingParams, others: int, max_migrations: int = 2):
+    """Run one request through an in-process router whose membership drops the serving
+    decode worker after 3 tokens; `others`: how many other decode workers stay listed.
+    Returns (token ids, the error if it failed, the router's resolved seed)."""
+    prefill, *decode = workers
+    members = [{"role": "prefill", "worker_id": "p", "address": prefill.address, "state": "ready"}]
+    members += [{"role": "decode", "worker_id": f"d{i}", "address": d.address, "state": "ready"}
+                for i, d in enumerate(decode[:1 + others])]
 
     async def source():
         return list(members)
 
     async def scenario():
-        config = RouterConfig(model=str(tiny_llama_dir), served_model_name="tiny", security=SECURITY)
+        config = RouterConfig(model=str(tiny_llama_dir), served_model_name="tiny", security=SECURITY,
+                              max_migrations=max_migrations)
         router = Router(config, WorkerRegistry(source, SECURITY))
         await router.start()
         prompt = PromptKeys(PROMPT)
-        generation = Generation(router, "leaves", prompt, SamplingParams(max_tokens=400, ignore_eos=True),
-                                router.route_request(prompt, None))
-        received = []
+        generation = Generation(router, "leaves", prompt, params, router.route_request(prompt, None))
+        received, error, left = [], None, False
         try:
-            with pytest.raises(GenerationError) as failed:
-                async for delta in generation.deltas():
-                    received.extend(delta.token_ids)
-                    if len(received) >= 3 and len(members) == 2:
-                        members.pop()  # the decode worker leaves the pool
-                        await router.registry.refresh()
+            async for delta in generation.deltas():
+                received.extend(delta.token_ids)
+                if len(received) >= 3 and not left:
+                    left = True
+                    members[:] = [m for m in members if m["worker_id"] != generation.result.decode_worker]
+                    await router.registry.refresh()  # the serving decode worker leaves the pool
+        except GenerationError as exc:
+            error = exc
         finally:
             await router.registry.stop()
-        return received, str(failed.value)
+        return received, error, generation.params.seed
 
-    received, message = asyncio.run(scenario())
-    assert 3 <= len(received) < 400
-    assert "decode worker" in message
+    return asyncio.run(scenario())
+
+
+def test_a_decode_worker_leaving_the_pool_mid_stream_is_resumed_elsewhere_even_unseeded(workers, tiny_llama_dir):
+    params = SamplingParams(max_tokens=200, temperature=1.0, ignore_eos=True)  # no seed: the router picks one
+    ids, error, seed = _leave_mid_stream(workers, tiny_llama_dir, params, others=1)
+    assert error is None and len(ids) == 200
+    from engine import LLM  # the unbroken run, offline, with the seed the router resolved
+
+    [out] = LLM(str(tiny_llama_dir)).generate([PROMPT], dataclasses.replace(params, seed=seed))
+    assert ids == out.outputs[0].token_ids
+
+
+def test_a_decode_worker_leaving_with_no_other_fails_the_request_cleanly(workers, tiny_llama_dir):
+    ids, error, _ = _leave_mid_stream(workers, tiny_llama_dir, SamplingParams(max_tokens=400, ignore_eos=True),
+                                      others=0)
+    assert 3 <= len(ids) < 400
+    assert isinstance(error, GenerationError) and "decode worker" in str(error)
+
+
+def test_past_max_migrations_the_request_fails_with_the_legs_error(workers, tiny_llama_dir):
+    ids, error, _ = _leave_mid_stream(workers, tiny_llama_dir, SamplingParams(max_tokens=400, ignore_eos=True),
+                                      others=1, max_migrations=0)
+    assert 3 <= len(ids) < 400
+    assert isinstance(error, GenerationError) and "left the pool mid-request" in str(error)
