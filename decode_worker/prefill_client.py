@@ -112,6 +112,10 @@ class PrefillClient:
                 if message.done.num_cached_tokens >= max(message.done.num_prompt_tokens, 1):
                     raise TransferError(f"prefill worker claims {message.done.num_cached_tokens} cached "
                                         f"tokens of a {message.done.num_prompt_tokens}-token prompt")
+                vocab_size = self.service.engine.loaded.shape.vocab_size
+                if message.done.first_token >= vocab_size:  # would break this worker's whole batch
+                    raise TransferError(f"prefill worker sent first token {message.done.first_token}, "
+                                        f"outside the vocabulary of {vocab_size}")
                 return message.done
             chunk = message.kv
             if chunk.transfer_id != transfer_id:

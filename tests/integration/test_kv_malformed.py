@@ -52,7 +52,8 @@ class MisbehavingPrefill(pb_grpc.PrefillWorkerServicer):
 
             header = torch.tensor([tid, 0, 0, 1, 10**12], dtype=torch.int64)
             await asyncio.to_thread(lambda: sender.group.send([header], 0, 0).wait())
-        yield pb.PrefillServerMessage(done=pb.PrefillDone(first_token=7, num_prompt_tokens=n,
+        first_token = 4_000_000_000 if self.mode == "bad_first_token" else 7
+        yield pb.PrefillServerMessage(done=pb.PrefillDone(first_token=first_token, num_prompt_tokens=n,
                                                           prefill_worker_id="fake"))
         await anext(aiter(request_iterator), None)
 
@@ -79,6 +80,7 @@ def expected(tiny_llama_dir):
         ("unknown_transfer", "grpc", "stream carried transfer"),
         ("truncated", "grpc", "closed the stream before finishing"),
         ("oversized_torch", "torch", "KV connection to prefill worker lost"),
+        ("bad_first_token", "grpc", "sent first token 4000000000, outside the vocabulary"),
     ],
 )
 def test_malformed_kv_is_rejected_and_the_request_still_completes(decode, expected, mode, transport, logged):
