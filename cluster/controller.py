@@ -44,6 +44,7 @@ class WorkerRecord:
     worker_id: str = ""
     address: str = ""
     state: str = "starting"
+    pid: int = 0  # the worker's process (on its node), once started
     started_at: float = field(default_factory=time.time)
 
     def member(self) -> dict:
@@ -127,7 +128,7 @@ class Controller:
         all_stats = await asyncio.gather(*(stats(w) for w in records))
         pools = {role: {"target": self.targets[role], "workers": []} for role in ROLES}
         for w, s in zip(records, all_stats, strict=True):
-            pools[w.role]["workers"].append({**w.member(), "stats": s})
+            pools[w.role]["workers"].append({**w.member(), "pid": w.pid, "stats": s})
         autoscaler = {"enabled": self.autoscaler is not None, "overridden": sorted(self.manual),
                       "decisions": list(self.decisions)[-5:]}
         try:
@@ -254,7 +255,7 @@ class Controller:
             return
         if w.state != "starting":  # drained or stopped while starting
             return
-        w.worker_id, w.address, w.state = info["worker_id"], info["address"], "ready"
+        w.worker_id, w.address, w.state, w.pid = info["worker_id"], info["address"], "ready", info["pid"]
         self.start_failures[w.role] = 0
         self._event(w.role, "ready", w.address, w)
 

@@ -132,6 +132,10 @@ class Generation:
         tokens already generated (its prompt ends with them, its sampling positions and
         `max_tokens` continue where the last leg stopped)."""
         router, done = self.router, len(self.output_ids)
+        if done >= self.params.max_tokens:  # the failed leg had sent every token, not its finish
+            self.result.finish_reason = "length"
+            yield Delta(self._detok.flush(), [], "length")
+            return
         params = self.params if not done else dataclasses.replace(
             self.params, max_tokens=self.params.max_tokens - done, first_position=self.params.first_position + done)
         prompt = self.prompt if not done else PromptKeys(self.prompt_ids + self.output_ids)

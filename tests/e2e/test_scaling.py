@@ -82,7 +82,7 @@ def test_scale_both_pools_up_and_down_under_traffic_loses_nothing(service):
 
 
 @pytest.mark.parametrize("role", ["decode", "prefill"])
-def test_killed_worker_actor_fails_only_its_requests_and_is_replaced(service, role):
+def test_a_killed_worker_actor_loses_no_request_and_is_replaced(service, role):
     import ray
 
     controller = service["controller"]
@@ -108,11 +108,9 @@ def test_killed_worker_actor_fails_only_its_requests_and_is_replaced(service, ro
     ray.get(controller.scale.remote(**{role: 1}))
     outcomes = [o for o, _ in traffic.outcomes]
     failed = [o for o in outcomes if o != "ok"]
-    if role == "prefill":
-        assert not failed, failed[:3]  # decode workers fail over to the other prefill worker or local
-    else:
-        assert all("decode worker" in f and "failed" in f for f in failed), failed[:3]
-        assert len(failed) <= 4, failed  # at most what was in flight on the victim
+    # prefill: decode workers fail over to the other prefill worker or prefill locally;
+    # decode: the router resumes the victim's streams on the other decode worker
+    assert not failed, failed[:3]
     assert outcomes[:killed_at] and all(o == "ok" for o in outcomes[:killed_at])
     assert outcomes[restored_at:] and all(o == "ok" for o in outcomes[restored_at:]), "the restored pool serves"
     events = [(e["role"], e["event"]) for e in pool_state(controller)["events"]]
