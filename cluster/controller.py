@@ -238,7 +238,7 @@ class Controller:
         self.workers[record.key] = record
         worker_kwargs = {"kv_transfer_timeout_s": cfg.kv_transfer_timeout_s, "security": cfg.security(),
                          "local_prefill_max_tokens": cfg.local_prefill_max_tokens,
-                         "prefill_profile": cfg.prefill_profile}
+                         "prefill_profile": cfg.prefill_profile, "max_queued_requests": cfg.max_queued_requests}
         if cfg.worker_host:
             worker_kwargs["host"] = cfg.worker_host
         asyncio.get_running_loop().create_task(

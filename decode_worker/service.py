@@ -116,6 +116,11 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if request_id in self._admissions or request_id in self.aengine.listeners:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is in use")
+        waiting = len(self._block_waiters) + len(self.engine.scheduler.waiting)
+        if waiting >= self.config.max_queued_requests:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"decode worker has {waiting} requests waiting for KV blocks or a batch slot "
+                                f"(max_queued_requests); retry later")
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.aengine.listeners[request_id] = outputs.put_nowait
         admission = asyncio.get_running_loop().create_task(

@@ -286,7 +286,8 @@ async def _collect(request: Request, generation: Generation) -> tuple[str, list[
                 task.cancel()
         await task
     except GenerationError as exc:
-        raise APIError(exc.status, str(exc)) from None
+        retry = {"Retry-After": "1"} if exc.status in (429, 503) else None
+        raise APIError(exc.status, str(exc), headers=retry) from None
     except asyncio.CancelledError:
         generation.result.finish_reason = "abort"
         if client_gone and not asyncio.current_task().cancelling():

@@ -95,16 +95,19 @@ class Generation:
         tried: set[str] = set()
         decode = self._first_decode or self.router.pick_decode(self.route)
         replaced = False
+        refusal = None  # why the last decode worker could not take it (before any token)
         while True:
             tried.add(decode.worker_id)
+            full = False  # the worker refused for lack of room: healthy, only busy
             try:
                 async for delta in self._leg(decode):
                     yield delta
                 return
             except _RetryElsewhere as exc:
                 if replaced:
-                    raise GenerationError("no decode worker could take the request; retry later") from None
-                replaced = True
+                    raise GenerationError(f"no decode worker could take the request: {exc}",
+                                          exc.status) from None
+                replaced, refusal, full = True, exc, exc.status == 429
                 logger.warning("request_id=%s decode worker %s unavailable (%s); retrying",
                                self.request_id, decode.worker_id, exc)
             except _LegFailed as exc:
@@ -115,11 +118,14 @@ class Generation:
                 logger.warning("request_id=%s migrating after %d tokens (%d of at most %d): %s",
                                self.request_id, len(self.output_ids), self.migrations,
                                self.router.config.max_migrations, exc)
-            self.router.registry.mark_unhealthy(decode)
+            if not full:
+                self.router.registry.mark_unhealthy(decode)
             try:
                 decode = self.router.pick_decode(self._leg_route(), exclude=tried)
             except APIError:
-                raise GenerationError("no other decode worker could take the request; retry later") from None
+                why = f": {refusal}" if refusal else "; retry later"
+                raise GenerationError(f"no other decode worker could take the request{why}",
+                                      refusal.status if refusal else 503) from None
 
     def _leg_route(self) -> RouteRequest:
         """The route of the next leg: the prompt plus the tokens generated so far."""
@@ -191,8 +197,10 @@ class Generation:
             code = exc.code()
             if code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise GenerationError(exc.details(), 400) from None
-            if not self.output_ids and code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ALREADY_EXISTS):
-                raise _RetryElsewhere(exc.details()) from None
+            if not self.output_ids and code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ALREADY_EXISTS,
+                                                grpc.StatusCode.RESOURCE_EXHAUSTED):
+                full = code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                raise _RetryElsewhere(exc.details(), 429 if full else 503) from None
             if code in _MIGRATABLE:
                 raise self._failed(decode, code.name.lower(), f"{code.name}: {exc.details()}") from None
             router.registry.mark_unhealthy(decode)
@@ -230,6 +238,10 @@ class Generation:
 
 class _RetryElsewhere(Exception):
     """The decode worker could not take the request (no token yet): try another."""
+
+    def __init__(self, message: str, status: int = 503) -> None:
+        super().__init__(message)
+        self.status = status  # for the client, if no other worker takes it either
 
 
 class _LegFailed(Exception):

@@ -16,6 +16,7 @@ class WorkerConfig:
     port: int = 0  # 0: any free port (the bound address is reported when ready)
     kv_transfer_timeout_s: float = 60.0  # deadline of one prefill leg, KV included
     local_prefill_max_tokens: int = 256  # decode: prefill here when the cache lacks at most this many
+    max_queued_requests: int = 1024  # decode: past this many waiting (blocks or a batch slot), refuse (RESOURCE_EXHAUSTED)
     prefill_profile: str | None = None  # decode: `pdserve profile` JSON for the where-to-prefill model
     ready_file: str | None = None  # write "host:port" here once serving
     worker_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
@@ -25,6 +26,8 @@ class WorkerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not 0 <= self.local_prefill_max_tokens <= 1 << 24:
             raise ValueError(f"local_prefill_max_tokens must be in [0, 2^24], got {self.local_prefill_max_tokens}")
+        if self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if not self.kv_transfer_timeout_s > 0:
             raise ValueError(f"kv_transfer_timeout_s must be > 0, got {self.kv_transfer_timeout_s}")
 
@@ -39,6 +42,11 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--local-prefill-max-tokens", type=int, default=256,
                        help="decode worker: prefill a request here, not on a prefill worker, when its "
                             "prefix cache lacks at most this many prompt tokens (default: %(default)s)")
+    group.add_argument("--max-queued-requests", type=int, default=1024,
+                       help="decode worker: past this many requests waiting (for KV blocks or a batch "
+                            "slot), new ones are "
+                            "refused (RESOURCE_EXHAUSTED; the router retries elsewhere, then answers 429) "
+                            "(default: %(default)s)")
     group.add_argument("--prefill-profile", default=None,
                        help="decode worker: a `pdserve profile` JSON; with it, longer uncached tails are "
                             "also prefilled here when the latency model predicts that is faster than the "
@@ -50,4 +58,5 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
 def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
     return WorkerConfig(security=security_from_args(args), host=args.host, port=args.port,
                         kv_transfer_timeout_s=args.kv_transfer_timeout_s, ready_file=args.ready_file,
-                        local_prefill_max_tokens=args.local_prefill_max_tokens, prefill_profile=args.prefill_profile)
+                        local_prefill_max_tokens=args.local_prefill_max_tokens, prefill_profile=args.prefill_profile,
+                        max_queued_requests=args.max_queued_requests)

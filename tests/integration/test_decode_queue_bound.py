@@ -1,0 +1,47 @@
+"""A decode worker's queue of waiting requests (for KV blocks or a batch slot) is bounded: past
+`--max-queued-requests` a new request is refused with RESOURCE_EXHAUSTED at once and changes
+nothing; the router, with no other decode worker to try, answers 429 with Retry-After."""
+
+import asyncio
+
+import grpc
+import pytest
+
+from protos import pdserve_pb2 as pb
+from testkit.workers import RouterProcess, WorkerProcess, collect, decode_stub, generate_request, wait_idle
+from tests.e2e.http import post
+from tests.integration.test_disaggregation_faults import poll, silent_peer
+
+PROMPT = list(range(20, 60))
+
+
+def test_past_max_queued_requests_a_request_is_refused_and_the_router_answers_429(tiny_llama_dir):
+    model = str(tiny_llama_dir)
+    with WorkerProcess("decode", model, "--max-num-seqs", "1", "--max-queued-requests", "1") as d, \
+            RouterProcess(model, [], [d.address]) as router, silent_peer() as silent:
+
+        async def scenario():
+            channel, stub = decode_stub(d.address)
+            async with channel:
+                # the holder's prefill leg waits on a peer that never answers: it holds the one
+                # sequence slot until aborted, so the next request must queue for blocks
+                holder = stub.Generate(generate_request("holder", PROMPT, 8, [silent]))
+                await poll(stub, lambda s: s.num_waiting_for_kv == 1)
+                queued = asyncio.ensure_future(collect(stub, generate_request("queued", PROMPT[1:], 4, [silent])))
+                await poll(stub, lambda s: s.num_waiting == 1)
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await collect(stub, generate_request("refused", PROMPT[2:], 4, []))
+                http = await asyncio.to_thread(post, router.url + "/v1/completions",
+                                               {"model": "tiny", "prompt": PROMPT[3:], "max_tokens": 4})
+                still = await stub.Stats(pb.StatsRequest())
+                holder.cancel()
+                tokens, finish, _ = await queued
+                return refused.value, http, still, (tokens, finish), await wait_idle(stub)
+
+        refused, (status, body, headers), still, (tokens, finish), idle = asyncio.run(scenario())
+    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_queued_requests" in refused.details()
+    assert status == 429 and {k.lower(): v for k, v in headers.items()}.get("retry-after") == "1", (status, body)
+    assert "max_queued_requests" in body["error"]["message"]
+    assert still.num_waiting == 1 and still.num_waiting_for_kv == 1, "a refused request changed the queue"
+    assert finish == "length" and len(tokens) == 4, "the queued request still runs"
+    assert idle.num_free_blocks == idle.num_total_blocks
