@@ -37,6 +37,15 @@ def ship_six_tokens(table, sender, receiver) -> None:
         receiver.close()
 
 
+def release(receiver: TorchTransport, peer_id: str, endpoint: str) -> None:
+    """End a pair whose peer never came: join it, close it, and wait for its receiver thread,
+    so no thread is left in a rendezvous wait (one timing out while the interpreter exits
+    aborts the process)."""
+    connect(TorchTransport(peer_id, LAYOUT, "cpu", max_piece_tokens=8), endpoint).close()
+    receiver.wait_closed(peer_id, 30)
+    assert not receiver._receivers[peer_id].is_alive()
+
+
 def test_sender_cuts_pieces_to_the_receivers_capacity():
     """A prefill worker configured for bigger pieces than the decode worker can stage must
     still deliver every token intact (the endpoint tells it the receiver's capacity)."""
@@ -84,12 +93,14 @@ def test_a_stranger_without_the_pair_key_cannot_join():
     address, prefix = endpoint.split("?")[0].split("/", 1)
     peer, generation, key = prefix.split("/")
     assert (peer, generation) == ("p", "1") and len(key) == 32 and int(key, 16) >= 0
-    assert receiver.accept("q").split("?")[0].rsplit("/", 1)[1] != key  # one key per pair
+    other = receiver.accept("q")
+    assert other.split("?")[0].rsplit("/", 1)[1] != key  # one key per pair
     guessed = f"{address}/p/1?piece_tokens=8"
     with pytest.raises(KVTransportError, match="cannot join KV pair"):
         TorchTransport("stranger", LAYOUT, "cpu", max_piece_tokens=8, timeout_s=3).connect(guessed)
     sender = connect(TorchTransport("p", LAYOUT, "cpu", max_piece_tokens=8), endpoint)
     ship_six_tokens(table, sender, receiver)
+    release(receiver, "q", other)
 
 
 def test_a_pair_whose_peer_never_comes_does_not_hold_up_another():
@@ -100,7 +111,8 @@ def test_a_pair_whose_peer_never_comes_does_not_hold_up_another():
     table = ReservationTable(LAYOUT, cache)
     receiver = TorchTransport("d", LAYOUT, "cpu", max_piece_tokens=8, timeout_s=600)
     receiver.listen(table)
-    receiver.accept("never")
+    never = receiver.accept("never")
     time.sleep(0.5)  # its receiver is now waiting for its peer
     sender = connect(TorchTransport("p", LAYOUT, "cpu", max_piece_tokens=8), receiver.accept("p"))
     ship_six_tokens(table, sender, receiver)
+    release(receiver, "never", never)
