@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import signal
@@ -30,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.prefix_reuse import WORKLOADS, local_ray, workload_rows  # noqa: E402
-from benchmarks.report import panels, repo_relative, write  # noqa: E402
+from benchmarks.report import panels, repo_relative, sse_events, write  # noqa: E402
 from engine.stats import percentile  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -60,11 +59,7 @@ async def request(session, url: str, index: int, row: dict) -> dict:
         async with session.post(url + "/v1/completions", json=body) as response:
             if response.status != 200:
                 return {"row": index, "error": f"HTTP {response.status}: {(await response.text())[:200]}"}
-            async for raw in response.content:
-                line = raw.strip()
-                if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
+            async for event in sse_events(response):
                 if "error" in event:
                     errors.append(event["error"]["message"])
                     continue

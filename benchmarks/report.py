@@ -18,6 +18,14 @@ def repo_relative(path: str | Path) -> str:
     return os.path.relpath(Path(path).resolve(), ROOT)
 
 
+async def sse_events(response):
+    """The JSON events of an OpenAI SSE stream (aiohttp response), up to `[DONE]`."""
+    async for raw in response.content:
+        line = raw.strip()
+        if line.startswith(b"data: ") and line != b"data: [DONE]":
+            yield json.loads(line[6:])
+
+
 def write(result: dict, out: Path, plot: Callable[[dict, Path], None] | None = None) -> None:
     """Write `result` to `out` (JSON), `plot(result, out.with_suffix(".png"))`, print it."""
     out.parent.mkdir(parents=True, exist_ok=True)
