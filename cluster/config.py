@@ -97,10 +97,14 @@ class ServeConfig(BaseModel):
     served_model_name: str | None = Field(None, description="name clients send (default: model)")
     kv_transport: Literal["torch", "grpc"] = "torch"
     kv_transfer_timeout_s: float = Field(60.0, gt=0)
+    kv_send_deadline_s: float = Field(5.0, gt=0, description="a prefill worker fails a request's leg when its "
+                                      "decode worker takes no KV piece for this long (it stopped reading)")
     local_prefill_max_tokens: int = Field(256, ge=0, description="a decode worker prefills a request itself when "
                                           "its prefix cache lacks at most this many prompt tokens")
-    max_queued_requests: int = Field(1024, ge=1, description="a decode worker refuses new requests past this many "
-                                     "waiting for KV blocks or a batch slot (the router retries another, then answers 429)")
+    max_queued_requests: int = Field(1024, ge=1, description="a worker refuses new requests past this many waiting "
+                                     "(decode: for KV blocks or a batch slot, and the router retries another, then "
+                                     "answers 429; prefill: legs open, and the decode worker tries another "
+                                     "prefill worker, then prefills itself)")
     prefill_profile: str | None = Field(None, description="`pdserve profile` JSON: decode workers then also "
                                         "prefill longer tails themselves when its latency model says it is faster")
     worker_host: str | None = Field("127.0.0.1", description="address workers listen on; null: each node's IP "

@@ -236,7 +236,8 @@ class Controller:
         ).remote(role)
         record = WorkerRecord(role, handle, next(self._keys))
         self.workers[record.key] = record
-        worker_kwargs = {"kv_transfer_timeout_s": cfg.kv_transfer_timeout_s, "security": cfg.security(),
+        worker_kwargs = {"kv_transfer_timeout_s": cfg.kv_transfer_timeout_s,
+                         "kv_send_deadline_s": cfg.kv_send_deadline_s, "security": cfg.security(),
                          "local_prefill_max_tokens": cfg.local_prefill_max_tokens,
                          "prefill_profile": cfg.prefill_profile, "max_queued_requests": cfg.max_queued_requests}
         if cfg.worker_host:

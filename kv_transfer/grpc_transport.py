@@ -2,18 +2,22 @@
 
 For networks without NCCL or a usable gloo interface. Pieces are split so one message
 stays under `max_message_bytes`; the receiving decode worker checks every chunk against
-its reservation (`ReservationTable.write_bytes`).
+its reservation (`ReservationTable.write_bytes`). A decode worker that stops reading the
+stream (hung) fills the window of chunks in flight; a chunk that waits longer than
+`send_deadline_s` for room fails the transfer, so the engine thread moves on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import torch
 
 from kv_transfer.base import KVSender
 from kv_transfer.layout import KVLayout
+from kv_transfer.reservations import TransferError
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 _END = object()
@@ -25,11 +29,13 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
 
 class GrpcStreamSender(KVSender):
     """Feeds one Prefill stream. `send` may be called from any thread; the stream handler
-    drains `messages()` on the event loop. At most `max_inflight` chunks wait in memory."""
+    drains `messages()` on the event loop. At most `max_inflight` chunks wait in memory; a
+    chunk that finds no room for `send_deadline_s` raises `TransferError` (peer not reading)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, layout: KVLayout, make_chunk,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_inflight: int = 16):
-        self._loop, self._make_chunk = loop, make_chunk
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_inflight: int = 16,
+                 send_deadline_s: float = 5.0):
+        self._loop, self._make_chunk, self._deadline_s = loop, make_chunk, send_deadline_s
         self._piece_tokens = max(1, max_message_bytes // layout.token_bytes)
         self._queue: asyncio.Queue = asyncio.Queue()
         self._slots = threading.Semaphore(max_inflight)
@@ -40,9 +46,13 @@ class GrpcStreamSender(KVSender):
             k_part, v_part = k[offset : offset + self._piece_tokens], v[offset : offset + self._piece_tokens]
             data = tensor_bytes(k_part) + tensor_bytes(v_part)
             chunk = self._make_chunk(transfer_id, layer, token_start + offset, k_part.shape[0], data)
-            while not self._slots.acquire(timeout=0.5):
+            deadline = time.monotonic() + self._deadline_s
+            while not self._slots.acquire(timeout=max(0.0, min(0.5, deadline - time.monotonic()))):
                 if self._closed:
                     return
+                if time.monotonic() >= deadline:
+                    raise TransferError(f"KV peer is not reading: no chunk left for it in {self._deadline_s:g} s "
+                                        "(kv_send_deadline_s)")
             if self._closed:
                 self._slots.release()
                 return

@@ -22,6 +22,13 @@ the next receive before writing the current piece (gloo sends only into a posted
 60-90 ms of CPU per 94 MB instead of ~50; sending from the caller's thread without the
 sending thread was no faster.
 
+A decode worker that stops reading (hung, not dead) must not stall the prefill worker's engine
+thread, which copies pieces into the staging pool: a piece that finds no free staging buffer
+for `send_deadline_s` fails its transfer (`TransferError`), and until the pair's sending thread
+gets a piece onto the wire again every later piece for that pair fails at once. Only the
+requests shipping to that peer fail; a broken pair's sender or receiver leaves the transport's
+tables (a peer that went away leaves nothing behind).
+
 Trust: a pair forms only under a random one-time key that the decode worker hands out inside
 an authenticated Prefill RPC (see `accept`). gloo ends the receiving process if a message
 exceeds the posted buffer, so the peer that holds the key must be a worker of this deployment
@@ -32,10 +39,12 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import itertools
 import logging
 import queue
 import secrets
 import threading
+import time
 from collections import defaultdict
 
 import torch
@@ -76,9 +85,9 @@ class TorchTransport:
 
     def __init__(self, worker_id: str, layout: KVLayout, device: torch.device,
                  max_piece_tokens: int, host: str = "127.0.0.1", timeout_s: float = 30.0,
-                 num_staging_buffers: int = 4) -> None:
+                 num_staging_buffers: int = 4, send_deadline_s: float = 5.0) -> None:
         self.worker_id, self.layout, self.device = worker_id, layout, torch.device(device)
-        self.host, self.timeout_s = host, timeout_s
+        self.host, self.timeout_s, self.send_deadline_s = host, timeout_s, send_deadline_s
         self.capacity = max_piece_tokens * layout.token_elements
         self.max_piece_tokens = max_piece_tokens
         self.num_staging_buffers = num_staging_buffers
@@ -86,7 +95,7 @@ class TorchTransport:
         self._store = None
         self._table: ReservationTable | None = None
         self._receivers: dict[str, _PairReceiver] = {}
-        self._generation: dict[str, int] = defaultdict(int)
+        self._pair_numbers = itertools.count(1)
         self._senders: dict[str, TorchPairSender] = {}
         self._connecting: dict[str, threading.Lock] = {}
 
@@ -110,8 +119,7 @@ class TorchTransport:
         with self._lock:
             receiver = self._receivers.get(peer_id)
             if receiver is None or receiver.broken:
-                self._generation[peer_id] += 1
-                prefix = f"{peer_id}/{self._generation[peer_id]}/{secrets.token_hex(16)}"
+                prefix = f"{peer_id}/{next(self._pair_numbers)}/{secrets.token_hex(16)}"
                 receiver = _PairReceiver(peer_id, prefix, self)
                 self._receivers[peer_id] = receiver
                 receiver.start()
@@ -149,10 +157,19 @@ class TorchTransport:
             group = _make_group(dist.PrefixStore(prefix, store), 1, self.device, self.timeout_s)
         except Exception as exc:  # noqa: BLE001 - any rendezvous failure
             raise KVTransportError(f"cannot join KV pair at {address}: {exc}") from exc
-        sender = TorchPairSender(group, store, self, min(self.max_piece_tokens, int(query)))
+        sender = TorchPairSender(group, store, self, min(self.max_piece_tokens, int(query)), endpoint)
         with self._lock:
             self._senders[endpoint] = sender
         return sender
+
+    def _forget(self, pair) -> None:
+        """Drop a broken pair's entries (called by the pair itself)."""
+        with self._lock:
+            if isinstance(pair, TorchPairSender) and self._senders.get(pair.endpoint) is pair:
+                del self._senders[pair.endpoint]
+                self._connecting.pop(pair.endpoint, None)
+            if isinstance(pair, _PairReceiver) and self._receivers.get(pair.peer_id) is pair:
+                del self._receivers[pair.peer_id]
 
     def close(self) -> None:
         """Stop every pair (aborting blocked sends/receives) so the process can exit cleanly."""
@@ -210,6 +227,7 @@ class _PairReceiver(threading.Thread):
             table.fail_peer(self.peer_id, f"KV connection to prefill worker lost: {exc}")
         finally:
             self.broken = True
+            t._forget(self)
 
 
 def _message_buffer(capacity: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -227,10 +245,11 @@ class TorchPairSender(KVSender):
     """Prefill side of one pair: a staging pool and a thread that puts pieces on the wire.
     Pieces are at most `piece_tokens` tokens (the receiver's capacity, or ours if smaller)."""
 
-    def __init__(self, group, store, transport: TorchTransport, piece_tokens: int) -> None:
+    def __init__(self, group, store, transport: TorchTransport, piece_tokens: int, endpoint: str = "") -> None:
         self.group, self.store, self.transport = group, store, transport
-        self.piece_tokens = piece_tokens
+        self.piece_tokens, self.endpoint = piece_tokens, endpoint
         self.broken: str | None = None
+        self._stalled: str | None = None  # why pieces fail at once until one goes on the wire again
         t = transport
         capacity = piece_tokens * t.layout.token_elements
         self._free = queue.Queue()
@@ -267,12 +286,21 @@ class TorchPairSender(KVSender):
         self._outbox.put((transfer_id, message, size))
 
     def _take_buffer(self) -> torch.Tensor:
-        while True:  # back-pressure: wait for a staging buffer, unless the pair broke
+        """A free staging buffer: back-pressure, but for at most `send_deadline_s`."""
+        if self._stalled:
+            raise TransferError(self._stalled)
+        deadline_s = self.transport.send_deadline_s
+        deadline = time.monotonic() + deadline_s
+        while True:
             try:
-                return self._free.get(timeout=0.5)
+                return self._free.get(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
             except queue.Empty:
                 if self.broken:
                     raise TransferError(f"KV pair broken: {self.broken}") from None
+                if time.monotonic() >= deadline:
+                    self._stalled = (f"KV peer is not reading: no piece went on the wire to it in "
+                                     f"{deadline_s:g} s (kv_send_deadline_s)")
+                    raise TransferError(self._stalled) from None
 
     def _run(self) -> None:
         device = self.transport.device
@@ -292,12 +320,35 @@ class TorchPairSender(KVSender):
                         torch.cuda.current_stream(device).synchronize()  # before reuse
                     else:
                         self.group.send([message[:size]], 0, _TAG).wait()
+                    self._stalled = None
             except Exception as exc:  # noqa: BLE001 - the peer is gone
                 logger.warning("KV send failed: %s", exc)
                 self.broken = str(exc)
             finally:
                 self._free.put(message)
                 self._done_one(transfer_id)
+            if self.broken:
+                self._end_broken()
+                return
+
+    def _end_broken(self) -> None:
+        """After the pair broke: account for the pieces still queued, wake every flush (they
+        raise), leave the transport's table, release the group. The thread then ends."""
+        while True:
+            try:
+                item = self._outbox.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None and item[0] != _GOODBYE:
+                self._free.put(item[1])
+                self._done_one(item[0])
+        with self._cond:
+            waiters = [notify for notifies in self._waiters.values() for notify in notifies]
+            self._waiters.clear()
+        for notify in waiters:
+            notify()
+        self.transport._forget(self)
+        _abort(self.group)
 
     def _send_goodbye(self) -> None:
         try:
@@ -321,6 +372,8 @@ class TorchPairSender(KVSender):
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         with self._cond:
+            if self.broken:
+                raise TransferError(f"KV pair broken: {self.broken}")
             if self._pending.get(transfer_id, 0) > 0:
                 self._waiters[transfer_id].append(thread_safe_notifier(loop, future))
             else:

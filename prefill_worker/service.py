@@ -44,11 +44,25 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Shipment:
+    """One leg's transfer. Per layer, positions below the layer's watermark are shipped (or
+    held by the decode worker: `skip_below`); every position is shipped once, so a chunk
+    computed again (after a preemption, or as a prefix-cache hit) is not sent twice."""
+
     transfer_id: int
     sender: KVSender
     skip_below: int = 0  # the decode worker holds positions [0, skip_below)
-    layers_started: set = dataclasses.field(default_factory=set)
+    shipped: dict[int, int] = dataclasses.field(default_factory=dict)  # layer -> positions below are shipped
     error: str | None = None
+
+    def plan(self, layer: int, token_start: int, num_tokens: int) -> tuple[int, int]:
+        """For a chunk of `num_tokens` computed at `token_start`: (`from_cache`, `cut`): ship
+        positions [from_cache, token_start) from this worker's cache (none when equal), then
+        the chunk's rows from `cut` on (none when `cut == num_tokens`). Records them shipped."""
+        shipped = self.shipped.get(layer, self.skip_below)
+        end = token_start + num_tokens
+        self.shipped[layer] = max(shipped, end)
+        from_cache = min(shipped, token_start)
+        return from_cache, min(max(shipped - token_start, 0), num_tokens)
 
 
 class PrefillService(WorkerServiceBase, pb_grpc.PrefillWorkerServicer):
@@ -93,6 +107,10 @@ class PrefillService(WorkerServiceBase, pb_grpc.PrefillWorkerServicer):
         # _streams too: a torch leg is registered there while it joins its KV pair, before it ships
         if request_id in self._streams or request_id in self._shipments:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is in use")
+        if len(self._streams) >= self.config.max_queued_requests:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"prefill worker has {len(self._streams)} requests open "
+                                f"(max_queued_requests); retry later or elsewhere")
         self._streams[request_id] = asyncio.current_task()
         try:
             async for message in self._prefill(start, ids, params, transport, request_iterator):
@@ -111,7 +129,8 @@ class PrefillService(WorkerServiceBase, pb_grpc.PrefillWorkerServicer):
             except Exception as exc:  # noqa: BLE001 - cannot reach the decode worker
                 raise _LegFailed(f"KV transport: {exc}") from exc
         else:
-            sender = GrpcStreamSender(loop, self.layout, _kv_chunk)
+            sender = GrpcStreamSender(loop, self.layout, _kv_chunk,
+                                      send_deadline_s=self.config.kv_send_deadline_s)
         shipment = _Shipment(start.transfer_id, sender, skip_below=start.num_cached_tokens)
         first_token: asyncio.Future = loop.create_future()
         self._shipments[request_id] = shipment
@@ -127,7 +146,8 @@ class PrefillService(WorkerServiceBase, pb_grpc.PrefillWorkerServicer):
             output = await first_token
             if output.finish_reason == "abort":
                 raise _LegFailed("prefill aborted")
-            await sender.flush(shipment.transfer_id)
+            if not shipment.error:  # a failed transfer's pieces may wait behind a peer not reading
+                await sender.flush(shipment.transfer_id)
             if shipment.error:
                 raise _LegFailed(f"KV transfer failed: {shipment.error}")
             yield pb.PrefillServerMessage(done=pb.PrefillDone(
@@ -151,23 +171,21 @@ class PrefillService(WorkerServiceBase, pb_grpc.PrefillWorkerServicer):
 
     def _ship(self, request_id: str, layer: int, token_start: int, k, v) -> None:
         """Engine-thread hook: hand one layer of one chunk to the request's sender, only the
-        positions the decode worker lacks; before a layer's first chunk, the positions this
-        worker's cache supplied (not computed here) that the decode worker lacks too."""
+        positions the decode worker lacks and that were not shipped yet; first, the positions
+        before the chunk that this worker's cache supplied (not computed here), if unshipped."""
         shipment = self._shipments.get(request_id)
         if shipment is None or shipment.error:
             return
         try:
-            skip = shipment.skip_below
-            if layer not in shipment.layers_started:
-                shipment.layers_started.add(layer)
-                if token_start > skip:  # [skip, token_start) came from this worker's cache
-                    cached_k, cached_v = self._cached_kv(request_id, layer, skip, token_start)
-                    shipment.sender.send(shipment.transfer_id, layer, skip, cached_k, cached_v)
-            if token_start + k.shape[0] > skip:
-                cut = max(skip - token_start, 0)
+            from_cache, cut = shipment.plan(layer, token_start, k.shape[0])
+            if from_cache < token_start:
+                cached_k, cached_v = self._cached_kv(request_id, layer, from_cache, token_start)
+                shipment.sender.send(shipment.transfer_id, layer, from_cache, cached_k, cached_v)
+            if cut < k.shape[0]:
                 shipment.sender.send(shipment.transfer_id, layer, token_start + cut, k[cut:], v[cut:])
         except Exception as exc:  # noqa: BLE001 - never break the engine step for one request
             shipment.error = str(exc)
+            logger.warning("request_id=%s KV shipment failed: %s", request_id, exc)
 
     def _cached_kv(self, request_id: str, layer: int, start: int, end: int):
         """K and V `[end - start, kv_heads, head_dim]` of positions [start, end) from the cache."""

@@ -22,7 +22,7 @@ class WorkerServiceBase:
         self.torch_transport = TorchTransport(
             config.worker_id, self.layout, engine.runner.kv_cache.device,
             max_piece_tokens=engine.config.max_num_batched_tokens, host=config.host,
-            timeout_s=config.kv_transfer_timeout_s,
+            timeout_s=config.kv_transfer_timeout_s, send_deadline_s=config.kv_send_deadline_s,
         )
 
     async def start(self) -> None:

@@ -45,3 +45,48 @@ def test_past_max_queued_requests_a_request_is_refused_and_the_router_answers_42
     assert still.num_waiting == 1 and still.num_waiting_for_kv == 1, "a refused request changed the queue"
     assert finish == "length" and len(tokens) == 4, "the queued request still runs"
     assert idle.num_free_blocks == idle.num_total_blocks
+
+
+def test_past_max_queued_requests_a_prefill_worker_refuses_and_the_decode_worker_prefills_itself(tiny_llama_dir):
+    """A prefill worker holds at most `--max-queued-requests` legs open: one more is refused
+    with RESOURCE_EXHAUSTED at once; a decode worker sent there prefills the request itself
+    (right tokens); once the open leg ends, the prefill worker takes legs again."""
+    from engine import LLM, SamplingParams
+    from tests.integration.test_slow_peer import prefill_leg
+    from testkit.workers import prefill_stub
+
+    model = str(tiny_llama_dir)
+    expected = LLM(model).generate([PROMPT], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0].token_ids
+    with WorkerProcess("prefill", model, "--max-queued-requests", "1") as p, WorkerProcess("decode", model) as d:
+
+        async def scenario():
+            p_channel, p_stub = prefill_stub(p.address)
+            d_channel, d_stub = decode_stub(d.address)
+            async with p_channel, d_channel:
+                layout = (await p_stub.Info(pb.InfoRequest())).layout
+                start = pb.PrefillRequest(request_id="open", prompt_token_ids=PROMPT, seed=1, transfer_id=1,
+                                          sampling=pb.SamplingOptions(max_tokens=1, ignore_eos=True),
+                                          kv_transport="grpc", layout=layout)
+                held, messages = await prefill_leg(p_stub, start)
+                async for message in held:  # KV chunks, then `done`; the leg waits for the ack
+                    if message.HasField("done"):
+                        break
+                refused_start = pb.PrefillRequest(request_id="refused", prompt_token_ids=PROMPT[1:], seed=1,
+                                                  transfer_id=2, kv_transport="grpc", layout=layout,
+                                                  sampling=pb.SamplingOptions(max_tokens=1, ignore_eos=True))
+                refused, refused_messages = await prefill_leg(p_stub, refused_start)
+                with pytest.raises(grpc.aio.AioRpcError) as error:
+                    await anext(aiter(refused))
+                await refused_messages.put(None)
+                local = await collect(d_stub, generate_request("via-d", PROMPT, 4, [p.address]))
+                await messages.put(pb.PrefillClientMessage(ack=pb.KVAck(transfer_id=1, ok=True)))
+                await messages.put(None)
+                await wait_idle(p_stub)
+                remote = await collect(d_stub, generate_request("later", PROMPT, 4, [p.address]))
+                return error.value, local, remote, await wait_idle(p_stub), await wait_idle(d_stub)
+
+        error, local, remote, p_idle, d_idle = asyncio.run(scenario())
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_queued_requests" in error.details()
+    assert local[:2] == (expected, "length") and local[2] != remote[2], (local, remote)
+    assert remote[:2] == (expected, "length") and remote[2] == p_idle.worker_id, remote
+    assert p_idle.num_running == 0 and d_idle.num_free_blocks == d_idle.num_total_blocks

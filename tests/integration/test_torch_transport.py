@@ -41,9 +41,11 @@ def release(receiver: TorchTransport, peer_id: str, endpoint: str) -> None:
     """End a pair whose peer never came: join it, close it, and wait for its receiver thread,
     so no thread is left in a rendezvous wait (one timing out while the interpreter exits
     aborts the process)."""
+    pair = receiver._receivers[peer_id]
     connect(TorchTransport(peer_id, LAYOUT, "cpu", max_piece_tokens=8), endpoint).close()
-    receiver.wait_closed(peer_id, 30)
-    assert not receiver._receivers[peer_id].is_alive()
+    pair.join(30)
+    assert not pair.is_alive()
+    assert peer_id not in receiver._receivers, "an ended pair stays in the transport's table"
 
 
 def test_sender_cuts_pieces_to_the_receivers_capacity():
@@ -116,3 +118,49 @@ def test_a_pair_whose_peer_never_comes_does_not_hold_up_another():
     sender = connect(TorchTransport("p", LAYOUT, "cpu", max_piece_tokens=8), receiver.accept("p"))
     ship_six_tokens(table, sender, receiver)
     release(receiver, "never", never)
+
+
+_HUNG_PEER = """
+import datetime, sys, time
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                      timeout=datetime.timedelta(seconds=600))
+print(store.port, flush=True)
+group = dist.ProcessGroupGloo(dist.PrefixStore("hung/1/key", store), 0, 2, datetime.timedelta(seconds=600))
+print("formed", flush=True)
+time.sleep(600)  # never receives
+"""
+
+
+def test_a_peer_that_stops_reading_fails_pieces_after_the_deadline_and_leaves_no_pair_behind():
+    """The decode end of this pair (another process) forms it and never posts a receive: a
+    hung worker. The prefill side's `send`, called on its engine thread, gives up after
+    `send_deadline_s` with an error naming the cause, instead of waiting out the pair's 600 s
+    timeout; later pieces for that peer fail at once. When the hung process is killed the
+    pair breaks and leaves the transport's table."""
+    import subprocess
+    import sys
+
+    from kv_transfer.reservations import TransferError
+
+    peer = subprocess.Popen([sys.executable, "-c", _HUNG_PEER], stdout=subprocess.PIPE, text=True)
+    try:
+        endpoint = f"127.0.0.1:{peer.stdout.readline().strip()}/hung/1/key?piece_tokens=8"
+        side = TorchTransport("p", LAYOUT, "cpu", max_piece_tokens=8, timeout_s=600, num_staging_buffers=2,
+                              send_deadline_s=1.0)
+        sender = connect(side, endpoint)
+        assert peer.stdout.readline().strip() == "formed"
+        kv = torch.randn(8, 2, 8)
+        with pytest.raises(TransferError, match="not reading") as stalled:
+            for _ in range(10):  # 2 staging buffers and one piece on the wire: the 4th cannot be staged
+                sender.send(1, 0, 0, kv, kv)
+        with pytest.raises(TransferError, match="not reading"):
+            sender.send(2, 0, 0, kv, kv)  # another request for the same peer: at once
+        assert "kv_send_deadline_s" in str(stalled.value)
+        assert side._senders.get(endpoint) is sender
+    finally:
+        peer.kill()
+        peer.wait(30)
+    sender._thread.join(60)  # the send on the wire fails with the peer's sockets closed
+    assert not sender._thread.is_alive() and sender.broken
+    assert endpoint not in side._senders, "a broken pair stays in the transport's table"

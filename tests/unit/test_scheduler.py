@@ -127,3 +127,26 @@ def test_stops_at_max_model_len():
         _, finished = run_step(sched)
     assert finished[0].status is RequestStatus.FINISHED_LENGTH
     assert finished[0].num_tokens == 8
+
+
+def test_a_prefill_worker_load_never_preempts_when_one_longest_prompt_fits():
+    """What prefill workers run: prompts only (max_tokens=1). With the least cache an engine
+    accepts (one max_model_len request), prompts of random lengths arriving at random steps
+    all finish and none is ever preempted: a running prompt only ever competes with cache
+    blocks that can be evicted. (A leg's KV pieces are shipped once each even if one were.)"""
+    import random
+
+    rng = random.Random(0)
+    max_model_len, block_size = 128, 4
+    sched, bm = make(num_blocks=max_model_len // block_size, block_size=block_size, budget=24,
+                     max_model_len=max_model_len)
+    added = finished = 0
+    for _ in range(2000):
+        if added < 300 and rng.random() < 0.5:
+            sched.add_request(req(f"r{added}", rng.randint(1, max_model_len - 1), max_tokens=1))
+            added += 1
+        if sched.has_unfinished():
+            finished += len(run_step(sched)[1])
+    assert added == 300 and finished == added and not sched.has_unfinished(), (added, finished)
+    assert sched.num_preemptions == 0
+    assert bm.num_free_blocks == bm.num_blocks
