@@ -25,6 +25,7 @@ class WorkerActor:
         self.role = role
         self.service = self.server = None
         self.address = ""
+        self._probe = None  # (channel, stub) to this worker's own gRPC server, for `ping`
 
     async def start(self, engine_kwargs: dict, worker_kwargs: dict, cpu_affinity: list[int] | None = None) -> dict:
         from engine.config import EngineConfig
@@ -47,19 +48,35 @@ class WorkerActor:
         return {"address": self.address, "worker_id": config.worker_id, "pid": os.getpid()}
 
     async def ping(self) -> bool:
-        return self.service is not None
+        """Healthy iff the worker's gRPC server answers its own Stats (token checked, engine
+        not stalled) within 3 s, as a router would ask it."""
+        if self.service is None:
+            return False
+        if self._probe is None:
+            from protos.channel import open_channel
+            from protos.pdserve_pb2_grpc import DecodeWorkerStub, PrefillWorkerStub
+
+            channel = open_channel(self.address, self.service.config.security)
+            self._probe = channel, (PrefillWorkerStub if self.role == "prefill" else DecodeWorkerStub)(channel)
+        from protos import pdserve_pb2 as pb
+
+        try:
+            await self._probe[1].Stats(pb.StatsRequest(), timeout=3)
+        except Exception:  # noqa: BLE001 - unreachable, stalled or too slow: unhealthy
+            return False
+        return True
 
     async def drain(self) -> None:
         self.service.draining = True
 
     async def stats(self) -> dict:
-        from protos import pdserve_pb2 as pb
-
-        stats = await self.service.Stats(pb.StatsRequest(), None)
+        stats = self.service.aengine.stats()
         return {f.name: (v if isinstance(v, int | float | str | bool) else dict(v) if hasattr(v, "items")
                          else list(v)) for f in stats.DESCRIPTOR.fields for v in [getattr(stats, f.name)]}
 
     async def stop(self) -> None:
+        if self._probe is not None:
+            await self._probe[0].close()
         if self.server is not None:
             await self.server.stop(grace=1)
             await self.service.stop()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -32,6 +33,7 @@ class AsyncEngine:
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         self._task: asyncio.Task | None = None
+        self._step_started: float | None = None  # time.monotonic() when the running step began
 
     def start(self) -> None:
         if self.stats_fn is not None:
@@ -56,11 +58,14 @@ class AsyncEngine:
                 if not self.engine.has_unfinished_requests():
                     self._wake.clear()
                     continue
+                self._step_started = time.monotonic()
                 try:
                     outputs = await loop.run_in_executor(self._executor, self.engine.step)
                 except Exception:
                     logger.exception("engine step failed; aborting its requests")
                     outputs = self._abort_all()
+                finally:
+                    self._step_started = None
                 if self.stats_fn is not None:
                     self._snapshot = self.stats_fn()
             for output in outputs:
@@ -70,6 +75,12 @@ class AsyncEngine:
                     listener(output)
             for callback in self.after_step:
                 callback()
+
+    def step_running_s(self) -> float:
+        """How long the step now running has run (0 between steps): a health check's measure
+        of an engine thread that is wedged while the event loop still answers."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
 
     def stats(self):
         """`stats_fn()` without waiting for a running step: fresh when no step runs (nothing

@@ -1,10 +1,11 @@
 """The gRPC settings both ends of every pdserve RPC share, and the two ways to use them.
 
-Message limits leave room for a KV chunk plus protobuf framing. Keepalive pings an idle
-connection every 30 s and gives up after 10 s without an answer, so a peer that vanished
-without closing its socket (a powered-off host, a dropped route) fails its streams instead of
-hanging them; servers accept those pings (by default gRPC servers punish pings more often
-than every 5 minutes with GOAWAY).
+Message limits leave room for a KV chunk plus protobuf framing. Keepalive pings a connection
+that has been silent for 10 s and gives up after 5 s without an answer, so a peer that is hung
+(SIGSTOPped, wedged) or vanished without closing its socket (a powered-off host, a dropped
+route) fails its streams within ~15 s instead of hanging them, and the router resumes them
+elsewhere; servers accept those pings (by default gRPC servers punish pings more often than
+every 5 minutes with GOAWAY).
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import grpc
 from protos.security import Security, TokenCheck, client_interceptors
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-KEEPALIVE_TIME_MS = 30_000
-KEEPALIVE_TIMEOUT_MS = 10_000
+KEEPALIVE_TIME_MS = 10_000
+KEEPALIVE_TIMEOUT_MS = 5_000
 
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

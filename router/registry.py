@@ -1,8 +1,11 @@
 """The router's view of the worker pools: membership (from the cluster controller, or a
 static list), per-worker gRPC stubs, load from the workers' `Stats` and their prefix caches
 from `CacheEvents` (router/cache_index.py), refreshed in the background. A worker that
-fails a call is kept out of routing for a few seconds; one the membership source no longer
-lists (dead, removed) is dropped, with its cache index, at the next refresh."""
+fails a call is kept out of routing for a few seconds, and so is one whose Stats (the health
+check: it also fails while the worker's engine is stalled) answers UNAVAILABLE, or nothing for
+HUNG_AFTER_POLLS polls in a row (a hung process still accepts connections), until it answers
+again; one the membership source no longer lists (dead, removed) is dropped, with its cache
+index, at the next refresh."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from protos.security import Security
 from router.cache_index import CacheIndex
 
 logger = logging.getLogger(__name__)
+HUNG_AFTER_POLLS = 3
 MembershipSource = Callable[[], Awaitable[list[dict]]]
 
 
@@ -39,6 +43,7 @@ class WorkerView:
     routed: dict[str, float] = field(default_factory=dict)  # picked, stream not yet opened: id -> when
     inflight_tokens: int = 0  # prompt tokens this router sent it (prefill) not yet prefilled
     unhealthy_until: float = 0.0
+    failed_polls: int = 0  # Stats polls in a row that got no answer
     caches: bool | None = None  # has a prefix cache (None: not asked yet)
 
     @property
@@ -165,8 +170,11 @@ class WorkerRegistry:
             try:
                 view.stats = await view.stub.Stats(pb.StatsRequest(), timeout=2)
                 view.closed_before_stats = closed
+                view.failed_polls = 0
             except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.UNAVAILABLE:  # unreachable, not merely slow
+                view.failed_polls += 1
+                # unreachable or stalled at once; no answer (hung: accepts, never replies) 3 times in a row
+                if exc.code() == grpc.StatusCode.UNAVAILABLE or view.failed_polls >= HUNG_AFTER_POLLS:
                     self.mark_unhealthy(view)
 
         await asyncio.gather(*(one(v) for v in list(self._views.values())))

@@ -3,12 +3,19 @@ layout and torch transport, draining, and the Info/Stats answers."""
 
 from __future__ import annotations
 
+import grpc
+
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
 from kv_transfer.layout import KVLayout
 from kv_transfer.torch_transport import TorchTransport
 from protos import pdserve_pb2 as pb
 from worker_base.config import WorkerConfig
+
+# A step running longer than this means the engine thread is wedged: Stats, which routers
+# and the controller use as the health check, answers UNAVAILABLE (a CPU prefill step of
+# max_num_batched_tokens takes seconds, a GPU one milliseconds).
+ENGINE_STALL_S = 60.0
 
 
 class WorkerServiceBase:
@@ -44,6 +51,12 @@ class WorkerServiceBase:
         return info
 
     async def Stats(self, request, context) -> pb.WorkerStats:
+        """The load report, and the health check: refused (UNAVAILABLE) while an engine step
+        has run for longer than ENGINE_STALL_S."""
+        running = self.aengine.step_running_s()
+        if running > ENGINE_STALL_S:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"{self.role} worker's engine step has run for {running:.0f} s (stalled)")
         return self.aengine.stats()
 
     async def CacheEvents(self, request, context) -> pb.CacheEventsReply:

@@ -52,8 +52,8 @@ def test_past_max_queued_requests_a_prefill_worker_refuses_and_the_decode_worker
     with RESOURCE_EXHAUSTED at once; a decode worker sent there prefills the request itself
     (right tokens); once the open leg ends, the prefill worker takes legs again."""
     from engine import LLM, SamplingParams
-    from tests.integration.test_slow_peer import prefill_leg
     from testkit.workers import prefill_stub
+    from tests.integration.test_slow_peer import prefill_leg
 
     model = str(tiny_llama_dir)
     expected = LLM(model).generate([PROMPT], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0].token_ids

@@ -166,3 +166,49 @@ def test_past_max_migrations_the_request_fails_with_the_legs_error(workers, tiny
                                       others=1, max_migrations=0)
     assert 3 <= len(ids) < 400
     assert isinstance(error, GenerationError) and "left the pool mid-request" in str(error)
+
+
+def test_a_hung_decode_worker_is_routed_around_and_its_stream_resumed_token_exact(tiny_llama_dir):
+    """SIGSTOP (not kill) the decode worker serving a seeded sampled stream: the process keeps
+    its sockets, so only gRPC keepalive (a ping unanswered for 5 s on a connection silent for
+    10 s) fails the leg; the stream resumes on the other worker with the unbroken run's tokens.
+    The router's health check (Stats unanswered 3 polls in a row) takes the hung worker out of
+    routing, so new requests are served by the other one, and puts it back once it answers."""
+    import signal
+    import time
+
+    model = str(tiny_llama_dir)
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "ignore_eos": True,
+            "temperature": 1.0, "top_p": 0.95, "seed": 99}
+    routable = 'pdserve_pool_workers{pool="decode"}'
+
+    def wait_routable(url: str, count: int) -> None:
+        deadline = time.monotonic() + 60
+        while metric(url, routable) != count:
+            assert time.monotonic() < deadline, f"the router never saw {count} routable decode workers"
+            time.sleep(0.2)
+
+    with WorkerProcess("prefill", model) as p, WorkerProcess("decode", model) as d1, \
+            WorkerProcess("decode", model) as d2, RouterProcess(model, [p.address], [d1.address, d2.address]) as r:
+        wait_routable(r.url, 2)
+        reference, _, _, _, _ = asyncio.run(_stream_ids(r.url, body))
+        stopped = []
+
+        async def hang_the_serving_worker():
+            victim = await _serving([d1, d2])
+            victim.proc.send_signal(signal.SIGSTOP)
+            stopped.append(victim)
+
+        try:
+            ids, finishes, usage, errors, done = asyncio.run(_stream_ids(r.url, body, 20, hang_the_serving_worker))
+            wait_routable(r.url, 1)
+            others = [asyncio.run(_stream_ids(r.url, {**body, "max_tokens": 8, "seed": s})) for s in range(4)]
+            stopped[0].proc.send_signal(signal.SIGCONT)
+            wait_routable(r.url, 2)
+        finally:
+            for victim in stopped:
+                victim.proc.send_signal(signal.SIGCONT)
+    assert not errors and done and finishes == ["length"], (errors, finishes)
+    assert ids == reference, "the resumed stream differs from an unbroken run"
+    assert usage["completion_tokens"] == MAX_TOKENS
+    assert all(not o[3] and o[1] == ["length"] and len(o[0]) == 8 for o in others), others
