@@ -7,7 +7,9 @@ after 0.5-2 s (the router sees the client go mid-request). Every 10 s it samples
 memory, open file descriptors and threads of every pdserve process: the router (the process
 listening on the router port) and each ready worker (the controller is not sampled).
 
-Growth is measured per process and metric from the first sample after the warm-up to the last.
+Growth is measured per process and metric from the start of the measured span (the median of
+the first WINDOW samples after the warm-up) to its end (the median of the last WINDOW): one
+sample is one moment, and a thread pool that briefly holds one more thread is not a leak.
 Reports requests completed / disconnected / failed and whether every worker's KV blocks are all
 free at the end. Target: every metric flat (growth < 5% after warm-up), 0 leaked blocks.
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import statistics
 import sys
 import threading
 import time
@@ -35,6 +38,7 @@ KINDS = {"complete": 0.70, "cut_stream": 0.15, "timeout": 0.15}  # request kind 
 OUTCOMES = ("completed", "disconnected", "failed")
 METRICS = {"rss_bytes": ("RSS MiB", 2**20), "num_fds": ("open fds", 1), "num_threads": ("threads", 1)}
 FLAT = 0.05  # the most growth after warm-up that counts as flat
+WINDOW = 6  # samples (a minute at the default rate) whose median marks each end of the measured span
 
 
 def schedule(duration_s: float, rate: float, seed: int) -> list[dict]:
@@ -139,7 +143,12 @@ class Sampler(threading.Thread):
         started, count = time.perf_counter(), 0
         while True:
             at = round(time.perf_counter() - started, 1)
-            for name, pid in processes(self.controller, self.port).items():
+            try:
+                found = processes(self.controller, self.port)
+            except Exception as exc:  # noqa: BLE001 - a missed sample, not the end of sampling
+                print(f"soak: sample at {at} s failed: {exc}", file=sys.stderr, flush=True)
+                found = {}
+            for name, pid in found.items():
                 if (values := usage(pid)) is not None:
                     series = self.series.setdefault(name, {"pid": pid, "t_s": [], **{m: [] for m in METRICS}})
                     series["t_s"].append(at)
@@ -151,15 +160,16 @@ class Sampler(threading.Thread):
 
 
 def growth(series: dict, warmup_s: float) -> dict:
-    """Per metric of one process's series: "start" (first sample at or after `warmup_s`), "end"
-    (last sample), "growth" ((end - start) / start) and "flat" (growth < FLAT); {} when fewer than
-    two samples are past the warm-up (not judged)."""
+    """Per metric of one process's series: "start" and "end" (medians of the first and the last
+    WINDOW samples at or after `warmup_s`), "growth" ((end - start) / start) and "flat" (growth <
+    FLAT); {} when fewer than 2 * WINDOW samples are past the warm-up (not judged)."""
     after = [i for i, t in enumerate(series["t_s"]) if t >= warmup_s]
-    if len(after) < 2:
+    if len(after) < 2 * WINDOW:
         return {}
     judged = {}
     for metric in METRICS:
-        start, end = series[metric][after[0]], series[metric][after[-1]]
+        values = [series[metric][i] for i in after]
+        start, end = statistics.median(values[:WINDOW]), statistics.median(values[-WINDOW:])
         change = (end - start) / start if start else 0.0
         judged[metric] = {"start": start, "end": end, "growth": round(change, 4), "flat": change < FLAT}
     return judged

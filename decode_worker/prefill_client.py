@@ -6,7 +6,9 @@ into it, receives the KV (inline on the stream for `grpc`, through the torch pai
 and returns the first token. Whatever happens, the reservation entry is released before
 `run` returns or raises, so no late piece can write into blocks that are about to be
 reused; a stream that did not complete is cancelled, which aborts the prefill worker's
-side.
+side. A prefill worker that fails a call as UNAVAILABLE (gone, or hung past keepalive) is
+forgotten, its channel closed: the next leg for that address starts afresh, and workers that
+left the pool leave no channel behind.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class PrefillClient:
     def __init__(self, service) -> None:
         self.service = service  # the DecodeService: engine, lock, table, transports
         self._peers: dict[str, PrefillPeer] = {}
+        self._closing: set[asyncio.Task] = set()
 
     async def peer(self, address: str) -> PrefillPeer:
         peer = self._peers.get(address)
@@ -97,6 +100,10 @@ class PrefillClient:
             completed = True
             service.kv_bytes_received += service.layout.kv_bytes(len(ids) - num_cached_tokens)
             return done.first_token, done.prefill_worker_id, done.num_cached_tokens
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                self._forget(peer)
+            raise
         finally:
             service.table.release(reservation.transfer_id)
             if not completed:
@@ -126,6 +133,14 @@ class PrefillClient:
             except TransferError as exc:
                 table.fail(transfer_id, str(exc))
                 raise
+
+    def _forget(self, peer: PrefillPeer) -> None:
+        """Drop a peer that is gone; its channel closes once the calls still on it end."""
+        if self._peers.get(peer.address) is peer:
+            del self._peers[peer.address]
+            task = asyncio.get_running_loop().create_task(peer.channel.close(grace=30))
+            self._closing.add(task)  # held until done: a task only the loop references can be collected
+            task.add_done_callback(self._closing.discard)
 
     async def close(self) -> None:
         for peer in self._peers.values():
