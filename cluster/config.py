@@ -63,6 +63,8 @@ class RouterSpec(BaseModel):
     request_timeout_s: float = Field(600.0, gt=0)
     max_migrations: int = Field(2, ge=0, description="times a request whose decode worker fails mid-stream is "
                                                      "resumed on another (0: the client gets the error)")
+    migration_wait_s: float = Field(30.0, ge=0, description="how long a request whose decode worker failed waits "
+                                    "for another to become routable (e.g. the replacement) before failing")
     api_keys: list[str] | None = Field(None, description="bearer keys /v1 requires (or env PDSERVE_API_KEY, "
                                                          "comma-separated); none: /v1 is open")
     metrics_require_key: bool = Field(False, description="/metrics requires an API key too")

@@ -90,6 +90,7 @@ class Controller:
                              max_body_bytes=cfg.router.max_body_bytes, admin_token=cfg.admin_token(),
                              kv_transport=cfg.kv_transport, request_timeout_s=cfg.router.request_timeout_s,
                              max_migrations=cfg.router.max_migrations,
+                             migration_wait_s=cfg.router.migration_wait_s,
                              security=cfg.security(), api_keys=api_keys_from(cfg.router.api_keys),
                              metrics_require_key=cfg.router.metrics_require_key,
                              https_cert_file=cfg.router.https_cert_file, https_key_file=cfg.router.https_key_file)

@@ -52,6 +52,7 @@ class RouterConfig:
     kv_transport: str = "torch"
     request_timeout_s: float = 600.0
     max_migrations: int = 2  # times one request's failed decode leg is resumed on another worker
+    migration_wait_s: float = 30.0  # how long a failed leg waits for another decode worker to be routable
     security: Security | None = None  # cluster token (and TLS) for the router's RPCs to workers
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: /v1 is open
     metrics_require_key: bool = False  # /metrics needs an API key too
@@ -61,6 +62,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.security is None:
             raise ValueError("the router needs the cluster token (security) to call its workers")
+        if self.max_migrations < 0 or self.migration_wait_s < 0:
+            raise ValueError("max_migrations and migration_wait_s must be >= 0")
         if bool(self.https_cert_file) != bool(self.https_key_file):
             raise ValueError("HTTPS needs both a certificate file and a key file")
 

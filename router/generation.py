@@ -89,12 +89,13 @@ class Generation:
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """The request's text as it comes. Before the first token, an unavailable decode
-        worker is replaced once; after it, a failed leg is resumed on another decode worker
-        (up to `max_migrations` times) from the tokens already sent, so the client sees one
-        unbroken stream."""
+        worker is replaced (up to `max(1, max_migrations)` times: a worker can die while a
+        request waits in its queue, and so can the next); after it, a failed leg is resumed on
+        another decode worker (up to `max_migrations` times) from the tokens already sent, so
+        the client sees one unbroken stream."""
         tried: set[str] = set()
         decode = self._first_decode or self.router.pick_decode(self.route)
-        replaced = False
+        replaced = 0
         refusal = None  # why the last decode worker could not take it (before any token)
         while True:
             tried.add(decode.worker_id)
@@ -104,10 +105,10 @@ class Generation:
                     yield delta
                 return
             except _RetryElsewhere as exc:
-                if replaced:
+                if replaced >= max(1, self.router.config.max_migrations):
                     raise GenerationError(f"no decode worker could take the request: {exc}",
                                           exc.status) from None
-                replaced, refusal, full = True, exc, exc.status == 429
+                replaced, refusal, full = replaced + 1, exc, exc.status == 429
                 logger.warning("request_id=%s decode worker %s unavailable (%s); retrying",
                                self.request_id, decode.worker_id, exc)
             except _LegFailed as exc:
@@ -121,11 +122,24 @@ class Generation:
             if not full:
                 self.router.registry.mark_unhealthy(decode)
             try:
-                decode = self.router.pick_decode(self._leg_route(), exclude=tried)
+                decode = await self._next_decode(tried, wait=not full)
             except APIError:
                 why = f": {refusal}" if refusal else "; retry later"
                 raise GenerationError(f"no other decode worker could take the request{why}",
                                       refusal.status if refusal else 503) from None
+
+    async def _next_decode(self, tried: set[str], wait: bool):
+        """A routable decode worker not tried yet for this request; when there is none, and
+        `wait`, poll for up to `migration_wait_s` (a failed worker's replacement joins the pool
+        seconds later). Raises APIError when none came."""
+        deadline = time.monotonic() + (self.router.config.migration_wait_s if wait else 0.0)
+        while True:
+            try:
+                return self.router.pick_decode(self._leg_route(), exclude=tried)
+            except APIError:
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.25)
 
     def _leg_route(self) -> RouteRequest:
         """The route of the next leg: the prompt plus the tokens generated so far."""

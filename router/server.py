@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-migrations", type=int, default=2,
                         help="times a request whose decode worker fails mid-stream is resumed on another, "
                              "token-exact (default: 2; 0: the client gets the error)")
+    parser.add_argument("--migration-wait-s", type=float, default=30.0,
+                        help="how long a request whose decode worker failed waits for another to become "
+                             "routable (a replacement starting) before the client gets the error (default: 30)")
     parser.add_argument("--api-key", action="append", default=None,
                         help=f"require `Authorization: Bearer KEY` on /v1 (repeatable; default: ${API_KEY_ENV})")
     parser.add_argument("--https-cert", default=None, help="serve HTTPS with this certificate (PEM)")
@@ -68,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                           host=args.host, port=args.port, routing=args.routing,
                           cache_aware=CacheAwareWeights(args.cache_aware_request_tokens, args.cache_aware_kv_tokens),
                           max_inflight_requests=args.max_inflight_requests, kv_transport=args.kv_transport,
-                          max_migrations=args.max_migrations,
+                          max_migrations=args.max_migrations, migration_wait_s=args.migration_wait_s,
                           admin_token=os.environ.get("PDSERVE_ADMIN_TOKEN"), security=security,
                           api_keys=api_keys_from(args.api_key), https_cert_file=args.https_cert,
                           https_key_file=args.https_key)

@@ -108,21 +108,24 @@ def workers(tiny_llama_dir):
         yield p, d1, d2
 
 
-def _leave_mid_stream(workers, tiny_llama_dir, params: SamplingParams, others: int, max_migrations: int = 2):
+def _leave_mid_stream(workers, tiny_llama_dir, params: SamplingParams, others: int, max_migrations: int = 2,
+                      migration_wait_s: float = 1.0, joins_after_s: float | None = None):
     """Run one request through an in-process router whose membership drops the serving
-    decode worker after 3 tokens; `others`: how many other decode workers stay listed.
+    decode worker after 3 tokens; `others`: how many other decode workers stay listed;
+    `joins_after_s`: the other decode worker joins the pool this long after the drop.
     Returns (token ids, the error if it failed, the router's resolved seed)."""
     prefill, *decode = workers
     members = [{"role": "prefill", "worker_id": "p", "address": prefill.address, "state": "ready"}]
     members += [{"role": "decode", "worker_id": f"d{i}", "address": d.address, "state": "ready"}
                 for i, d in enumerate(decode[:1 + others])]
+    joiner = {"role": "decode", "worker_id": "joiner", "address": decode[-1].address, "state": "ready"}
 
     async def source():
         return list(members)
 
     async def scenario():
         config = RouterConfig(model=str(tiny_llama_dir), served_model_name="tiny", security=SECURITY,
-                              max_migrations=max_migrations)
+                              max_migrations=max_migrations, migration_wait_s=migration_wait_s)
         router = Router(config, WorkerRegistry(source, SECURITY))
         await router.start()
         prompt = PromptKeys(PROMPT)
@@ -135,6 +138,8 @@ def _leave_mid_stream(workers, tiny_llama_dir, params: SamplingParams, others: i
                     left = True
                     members[:] = [m for m in members if m["worker_id"] != generation.result.decode_worker]
                     await router.registry.refresh()  # the serving decode worker leaves the pool
+                    if joins_after_s is not None:
+                        asyncio.get_running_loop().call_later(joins_after_s, members.append, joiner)
         except GenerationError as exc:
             error = exc
         finally:
@@ -159,6 +164,19 @@ def test_a_decode_worker_leaving_with_no_other_fails_the_request_cleanly(workers
                                       others=0)
     assert 3 <= len(ids) < 400
     assert isinstance(error, GenerationError) and "decode worker" in str(error)
+
+
+def test_a_request_whose_worker_left_waits_for_a_replacement_and_resumes_token_exact(workers, tiny_llama_dir):
+    """No other decode worker is routable when the serving one leaves; one joins 3 s later
+    (as the controller's replacement would): within `migration_wait_s` the request resumes
+    there, with the unbroken run's tokens."""
+    params = SamplingParams(max_tokens=120, temperature=0.9, seed=5, ignore_eos=True)
+    ids, error, _ = _leave_mid_stream(workers, tiny_llama_dir, params, others=0, migration_wait_s=30,
+                                      joins_after_s=3)
+    from engine import LLM
+
+    [out] = LLM(str(tiny_llama_dir)).generate([PROMPT], params)
+    assert error is None and ids == out.outputs[0].token_ids
 
 
 def test_past_max_migrations_the_request_fails_with_the_legs_error(workers, tiny_llama_dir):
@@ -212,3 +230,32 @@ def test_a_hung_decode_worker_is_routed_around_and_its_stream_resumed_token_exac
     assert ids == reference, "the resumed stream differs from an unbroken run"
     assert usage["completion_tokens"] == MAX_TOKENS
     assert all(not o[3] and o[1] == ["length"] and len(o[0]) == 8 for o in others), others
+
+
+def test_the_real_smollm2_killed_mid_stream_resumes_with_the_offline_tokens(smollm2_dir):
+    """The same migration on the real SmolLM2-135M weights: the serving decode worker is
+    SIGKILLed after 20 tokens of a seeded sampled stream; the client's tokens equal the engine's
+    offline run of the same request."""
+    from engine import LLM
+
+    model = str(smollm2_dir)
+    llm = LLM(model)
+    prompt = llm.get_tokenizer().encode("The history of the printing press begins")
+    max_tokens, seed = 80, 7
+    reference = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95,
+                                                             seed=seed, ignore_eos=True))[0].token_ids
+    body = {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0.8, "top_p": 0.95, "seed": seed}
+    with WorkerProcess("prefill", model) as p, WorkerProcess("decode", model) as d1, \
+            WorkerProcess("decode", model) as d2, \
+            RouterProcess(model, [p.address], [d1.address, d2.address], served_model_name="smollm2") as r:
+
+        async def kill_the_serving_worker():
+            (await _serving([d1, d2])).kill()
+
+        ids, finishes, usage, errors, done = asyncio.run(_stream_ids(r.url, body, 20, kill_the_serving_worker))
+        killed = [d for d in (d1, d2) if d.proc.poll() is not None]
+    assert len(killed) == 1, "exactly the serving worker was killed mid-stream"
+    assert not errors and done and finishes == ["length"], (errors, finishes)
+    assert ids == reference, "the resumed stream differs from the offline run"
+    assert usage["completion_tokens"] == max_tokens
