@@ -22,6 +22,13 @@ the next receive before writing the current piece (gloo sends only into a posted
 60-90 ms of CPU per 94 MB instead of ~50; sending from the caller's thread without the
 sending thread was no faster.
 
+A pair lives as long as both processes do: the receiver waits for the next piece without the
+group's timeout (a soak run found idle pairs breaking after 60 s and being formed anew). When
+a decode worker hands out a new endpoint for a prefill worker anyway (its side of the old
+pair broke), the prefill side retires its sender for the old one on joining the new one, so
+nothing is left behind (the same soak found each re-formed pair leaking 4 threads and ~5 fds
+on the prefill worker).
+
 A decode worker that stops reading (hung, not dead) must not stall the prefill worker's engine
 thread, which copies pieces into the staging pool: a piece that finds no free staging buffer
 for `send_deadline_s` fails its transfer (`TransferError`), and until the pair's sending thread
@@ -59,6 +66,10 @@ _HEADER_LEN = 5
 _HEADER_BYTES = 8 * _HEADER_LEN
 _TAG = 0
 _GOODBYE = -1  # header transfer id that ends a pair cleanly
+# How long an idle pair's receiver waits for the next piece. Not the group's timeout (which
+# bounds the rendezvous): an idle pair is healthy, and a peer that dies closes its sockets,
+# which ends the wait at once.
+_IDLE_WAIT = datetime.timedelta(days=1)
 
 
 def _make_group(store, rank: int, device: torch.device, timeout_s: float):
@@ -160,6 +171,10 @@ class TorchTransport:
         sender = TorchPairSender(group, store, self, min(self.max_piece_tokens, int(query)), endpoint)
         with self._lock:
             self._senders[endpoint] = sender
+            # the decode worker at `address` handed out a new pair: its side of any older one is gone
+            superseded = [s for e, s in self._senders.items() if e != endpoint and e.partition("/")[0] == address]
+        for old in superseded:
+            old.retire("superseded by a new pair with the same decode worker")
         return sender
 
     def _forget(self, pair) -> None:
@@ -207,7 +222,7 @@ class _PairReceiver(threading.Thread):
             header, payload = _split(message, t.layout.torch_dtype)
             exact_sizes = t.device.type == "cuda"
             while not self.broken:
-                group.recv([message[:_HEADER_BYTES] if exact_sizes else message], 1, _TAG).wait()
+                group.recv([message[:_HEADER_BYTES] if exact_sizes else message], 1, _TAG).wait(_IDLE_WAIT)
                 transfer_id, layer, start, count, numel = header.tolist()
                 if transfer_id == _GOODBYE:
                     break
@@ -386,6 +401,13 @@ class TorchPairSender(KVSender):
         with self._cond:
             if self._pending.get(transfer_id, 0) > 0:
                 self._discarded.add(transfer_id)
+
+    def retire(self, why: str) -> None:
+        """End a pair whose receiver is gone: no goodbye (nobody would read it); the sending
+        thread fails what is queued and ends; the pair leaves the transport's table."""
+        self.broken = self.broken or why
+        self._outbox.put(None)
+        self.transport._forget(self)
 
     def close(self) -> None:
         """Say goodbye (the peer's receiver ends cleanly), stop the sending thread."""

@@ -164,3 +164,44 @@ def test_a_peer_that_stops_reading_fails_pieces_after_the_deadline_and_leaves_no
     sender._thread.join(60)  # the send on the wire fails with the peer's sockets closed
     assert not sender._thread.is_alive() and sender.broken
     assert endpoint not in side._senders, "a broken pair stays in the transport's table"
+
+
+def test_an_idle_pair_outlives_the_groups_timeout():
+    """The receiver waits for the next piece without the group's timeout (it bounds only the
+    rendezvous): a pair idle for longer still carries the next transfer."""
+    cache = torch.zeros(LAYOUT.num_layers, 2, 4, LAYOUT.block_size, 2, 8)
+    table = ReservationTable(LAYOUT, cache)
+    receiver = TorchTransport("d", LAYOUT, "cpu", max_piece_tokens=8, timeout_s=2)
+    receiver.listen(table)
+    sender = connect(TorchTransport("p", LAYOUT, "cpu", max_piece_tokens=8, timeout_s=2), receiver.accept("p"))
+    time.sleep(3.5)  # idle past the 2 s timeout
+    assert not receiver._receivers["p"].broken
+    ship_six_tokens(table, sender, receiver)
+
+
+def test_a_pair_superseded_by_a_new_endpoint_is_retired_on_the_prefill_side():
+    """When the decode worker hands out a new endpoint for a prefill worker (its side of the
+    old pair broke), joining the new pair retires the old sender: out of the table, its thread
+    ended, nothing left per pair that is gone."""
+    import gc
+
+    cache = torch.zeros(LAYOUT.num_layers, 2, 4, LAYOUT.block_size, 2, 8)
+    table = ReservationTable(LAYOUT, cache)
+    receiver = TorchTransport("d", LAYOUT, "cpu", max_piece_tokens=8)
+    receiver.listen(table)
+    side = TorchTransport("p", LAYOUT, "cpu", max_piece_tokens=8)
+    first = receiver.accept("p")
+    old = connect(side, first)
+    old_receiver = receiver._receivers["p"]
+    old_receiver.broken = True  # as if its receive had failed: the next accept forms a new pair
+    second = receiver.accept("p")
+    assert second != first
+    new = connect(side, second)
+    old._thread.join(30)
+    assert not old._thread.is_alive() and old.broken and "superseded" in old.broken
+    assert list(side._senders) == [second]
+    ship_six_tokens(table, new, receiver)
+    del old
+    gc.collect()  # the retired sender's group goes, closing its sockets: the old receiver's wait ends
+    old_receiver.join(30)
+    assert not old_receiver.is_alive()
