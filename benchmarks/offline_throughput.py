@@ -1,12 +1,16 @@
-"""Offline throughput: pdserve's engine vs Hugging Face static batching, in one run.
+"""Offline throughput in fp32 and bf16: pdserve's engine vs Hugging Face static batching,
+and each against this machine's measured roofline, in one run.
 
 Workload: shared/workloads/offline-mixed.jsonl (64 requests at t=0, ignore_eos, mixed
-prompt and output lengths). HF runs them in arrival order in static batches of 8 and of
-32 (left padding; every batch runs until its longest request is done, as static batching
-does). pdserve runs all 64 through continuous batching.
+prompt and output lengths). For each dtype: HF runs them in arrival order in static
+batches (left padding; every batch runs until its longest request is done, as static
+batching does); pdserve runs all 64 through continuous batching.
 
-Second measure: one decode step at batch 64 with ~300-token contexts, pdserve (the whole
-engine step, and the model forward alone) vs a plain HF forward step with a DynamicCache.
+Second measure, per dtype: one decode step at batch 64 with ~300-token contexts, pdserve
+(the whole engine step, and the model forward alone) vs a plain HF forward step with a
+DynamicCache, and the step's memory roofline (weights + KV read / measured bandwidth) and
+compute floor (matmul FLOPs / measured matmul peak). Third: prefill throughput as a
+fraction of the matmul peak.
 
 Writes benchmarks/results/offline_throughput.json and .png.
 """
@@ -119,63 +123,136 @@ def decode_step_hf(model, batch: int, context: int, steps: int) -> dict:
     return {"forward_ms_median": 1000 * statistics.median(times)}
 
 
+def prefill_throughput(llm, num_prompts: int, length: int) -> dict:
+    """Prompt tokens/s of `num_prompts` random prompts of `length` tokens (one output token)."""
+    from engine import SamplingParams
+
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 40000, (length,), generator=gen).tolist() for _ in range(num_prompts)]
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    llm.generate(prompts[:1], params)  # warm-up
+    start = time.perf_counter()
+    llm.generate(prompts, params)
+    wall = time.perf_counter() - start
+    return {"prompt_tokens": num_prompts * length, "wall_s": wall, "tokens_per_s": num_prompts * length / wall}
+
+
+def run_dtype(name: str, args, requests: list[dict], model_dir, ceilings: dict) -> dict:
+    """Everything measured for one dtype."""
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks import roofline
+    from engine import LLM
+
+    dtype = getattr(torch, name)
+    out: dict = {"throughput": {}}
+    llm = LLM(args.model, dtype=name)
+    print(f"[{name}] pdserve ...", flush=True)
+    out["throughput"]["pdserve"] = run_pdserve(llm, requests)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    pad_id = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
+    for bs in args.batch_sizes:
+        print(f"[{name}] HF static batch {bs} ...", flush=True)
+        out["throughput"][f"hf_static_{bs}"] = run_hf_static(hf, requests, bs, pad_id)
+    best_hf = max(v["output_tokens_per_s"] for k, v in out["throughput"].items() if k.startswith("hf"))
+    out["throughput_ratio_vs_best_hf"] = out["throughput"]["pdserve"]["output_tokens_per_s"] / best_hf
+
+    print(f"[{name}] decode step ...", flush=True)
+    step = {"pdserve": decode_step_pdserve(llm, args.step_batch, args.step_context, args.steps),
+            "hf": decode_step_hf(hf, args.step_batch, args.step_context, args.steps)}
+    model, peak = llm.engine.loaded.model, ceilings["matmul_peak_gflop_s"][name] * 1e9
+    bounds = roofline.decode_step_bounds(model, args.step_batch, args.step_context + args.steps / 2,
+                                         ceilings["bandwidth_gb_s"] * 1e9, peak)
+    forward_ms = step["pdserve"]["forward_ms_median"]
+    step.update(bounds)
+    step["fraction_of_memory_roofline"] = bounds["memory_roofline_ms"] / forward_ms
+    step["fraction_of_compute_floor"] = bounds["compute_floor_ms"] / forward_ms
+    step["forward_ratio_pdserve_over_hf"] = forward_ms / step["hf"]["forward_ms_median"]
+    out["decode_step"] = step
+
+    print(f"[{name}] prefill ...", flush=True)
+    prefill = prefill_throughput(llm, args.prefill_prompts, args.prefill_length)
+    flops = roofline.prefill_flops_per_token(model, args.prefill_length / 2) * prefill["tokens_per_s"]
+    prefill["gflop_s"] = flops / 1e9
+    prefill["fraction_of_matmul_peak"] = flops / peak
+    out["prefill"] = prefill
+    return out
+
+
 def plot(result: dict, path: Path) -> None:
-    with panels(path, 2, width=5.0) as [ax1, ax2]:
-        names = list(result["throughput"])
-        ax1.bar(names, [result["throughput"][n]["output_tokens_per_s"] for n in names],
-                color=["#2a7" if n == "pdserve" else "#999" for n in names])
+    dtypes = list(result["dtypes"])
+    with panels(path, 3, width=5.0) as [ax1, ax2, ax3]:
+        labels, values, colors = [], [], []
+        for name in dtypes:
+            for system, v in result["dtypes"][name]["throughput"].items():
+                labels.append(f"{system}\n{name}")
+                values.append(v["output_tokens_per_s"])
+                colors.append("#2a7" if system == "pdserve" else "#999")
+        ax1.bar(labels, values, color=colors)
         ax1.set_ylabel("output tokens/s")
-        ax1.set_title("offline-mixed (64 requests)")
-        step = result["decode_step"]
-        labels = ["HF forward", "pdserve forward", "pdserve engine step"]
-        values = [step["hf"]["forward_ms_median"], step["pdserve"]["forward_ms_median"],
-                  step["pdserve"]["engine_step_ms_median"]]
-        ax2.bar(labels, values, color=["#999", "#2a7", "#2a7"])
-        ax2.set_ylabel("ms (median)")
-        ax2.set_title(f"decode step, batch {step['batch']}, ~{step['context']}-token contexts")
+        ax1.set_title(f"offline-mixed ({result['num_requests']} requests)")
+        ax1.tick_params(axis="x", labelsize=7)
+        width = 0.2
+        for i, name in enumerate(dtypes):
+            step = result["dtypes"][name]["decode_step"]
+            bars = [step["hf"]["forward_ms_median"], step["pdserve"]["forward_ms_median"],
+                    step["memory_roofline_ms"], step["compute_floor_ms"]]
+            ax2.bar([x + i * width for x in range(4)], bars, width, label=name)
+        ax2.set_xticks([x + width / 2 for x in range(4)],
+                       ["HF forward", "pdserve forward", "memory roofline", "compute floor"], fontsize=7)
+        ax2.set_ylabel("ms")
+        ax2.set_title(f"decode step, batch {result['step_batch']}, ~{result['step_context']}-token contexts")
+        ax2.legend()
+        fractions = [result["dtypes"][n]["decode_step"]["fraction_of_memory_roofline"] for n in dtypes]
+        prefill = [result["dtypes"][n]["prefill"]["fraction_of_matmul_peak"] for n in dtypes]
+        ax3.bar([x - width / 2 for x in range(len(dtypes))], fractions, width, label="decode / memory roofline")
+        ax3.bar([x + width / 2 for x in range(len(dtypes))], prefill, width, label="prefill / matmul peak")
+        ax3.axhline(0.6, color="#c33", linestyle="--", linewidth=1)
+        ax3.set_xticks(range(len(dtypes)), dtypes)
+        ax3.set_ylim(0, 1)
+        ax3.set_title("fraction of the machine's ceiling")
+        ax3.legend(fontsize=7)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD)
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[32],
+                        help="HF static batch sizes (32 beat 8 in every earlier run)")
     parser.add_argument("--step-batch", type=int, default=64)
     parser.add_argument("--step-context", type=int, default=300)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--prefill-prompts", type=int, default=8)
+    parser.add_argument("--prefill-length", type=int, default=512)
     parser.add_argument("--out", type=Path, default=RESULTS / "offline_throughput.json")
     args = parser.parse_args()
 
-    from transformers import AutoModelForCausalLM
-
-    from engine import LLM
+    from benchmarks import roofline
+    from engine.cpu import native_bf16_flags
     from engine.model_source import resolve_model
 
     requests = load_workload(args.workload)
     model_dir = resolve_model(args.model)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    pad_id = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
-    llm = LLM(args.model)
+    print("roofline ...", flush=True)
+    ceilings = {**roofline.memory_bandwidth(),
+                "matmul_peak_gflop_s": {n: roofline.matmul_peak(getattr(torch, n)) / 1e9 for n in args.dtypes}}
     result = {"workload": repo_relative(args.workload), "num_requests": len(requests),
-              "torch_threads": torch.get_num_threads(), "throughput": {}}
-
-    print("pdserve ...", flush=True)
-    result["throughput"]["pdserve"] = run_pdserve(llm, requests)
-    for bs in args.batch_sizes:
-        print(f"HF static batch {bs} ...", flush=True)
-        result["throughput"][f"hf_static_{bs}"] = run_hf_static(hf, requests, bs, pad_id)
-    best_hf = max(v["output_tokens_per_s"] for k, v in result["throughput"].items() if k.startswith("hf"))
-    result["throughput_ratio_vs_best_hf"] = result["throughput"]["pdserve"]["output_tokens_per_s"] / best_hf
-
-    print("decode step ...", flush=True)
-    step = {"batch": args.step_batch, "context": args.step_context,
-            "pdserve": decode_step_pdserve(llm, args.step_batch, args.step_context, args.steps),
-            "hf": decode_step_hf(hf, args.step_batch, args.step_context, args.steps)}
-    hf_ms = step["hf"]["forward_ms_median"]
-    step["forward_ratio_pdserve_over_hf"] = step["pdserve"]["forward_ms_median"] / hf_ms
-    step["engine_step_ratio_pdserve_over_hf"] = step["pdserve"]["engine_step_ms_median"] / hf_ms
-    result["decode_step"] = step
-
+              "torch_threads": torch.get_num_threads(), "native_bf16": native_bf16_flags(),
+              "step_batch": args.step_batch, "step_context": args.step_context,
+              "ceilings": ceilings, "dtypes": {}}
+    for name in args.dtypes:
+        result["dtypes"][name] = run_dtype(name, args, requests, model_dir, ceilings)
+    if {"float32", "bfloat16"} <= set(args.dtypes):
+        tps = {n: result["dtypes"][n]["throughput"]["pdserve"]["output_tokens_per_s"] for n in args.dtypes}
+        ratio = tps["bfloat16"] / tps["float32"]
+        result["bf16_over_fp32_output_tokens_per_s"] = ratio
+        result["targets"] = {
+            "bf16 >= 1.8x fp32 output tok/s": ratio >= 1.8,
+            **{f"{n} decode step >= 60% of memory roofline":
+               result["dtypes"][n]["decode_step"]["fraction_of_memory_roofline"] >= 0.6 for n in args.dtypes},
+        }
     write(result, args.out, plot)
 
 

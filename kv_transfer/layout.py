@@ -54,7 +54,11 @@ class KVLayout:
         """None if equal, else a message naming every field that differs."""
         diffs = [f"{k}: {v} vs {getattr(other, k)}" for k, v in asdict(self).items()
                  if v != getattr(other, k)]
-        return "KV layouts differ (" + ", ".join(diffs) + ")" if diffs else None
+        if not diffs:
+            return None
+        hint = ("; give both pools the same engine dtype (`auto` picks bf16 only on CPUs with "
+                "native bf16)") if self.dtype != other.dtype else ""
+        return "KV layouts differ (" + ", ".join(diffs) + ")" + hint
 
     def to_proto(self, message) -> None:
         message.num_layers, message.block_size = self.num_layers, self.block_size

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from engine.cpu import first_cpu_info
+
 logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 _CFLAGS = ("-O3", "-ffast-math", "-march=native", "-fopenmp")
@@ -30,18 +32,8 @@ def cpu_instruction_set() -> str:
     /proc/cpuinfo), or the platform's description where that file is missing."""
     import platform
 
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = []
-    wanted = ("vendor_id", "cpu family", "model", "model name", "flags", "features", "cpu part")
-    first_cpu = {}
-    for line in lines:
-        key, _, value = line.partition(":")
-        key = key.strip().lower()
-        if key in wanted and key not in first_cpu:
-            first_cpu[key] = value.strip()
-    return repr(sorted(first_cpu.items())) if first_cpu else platform.platform()
+    info = first_cpu_info()
+    return repr(sorted(info.items())) if info else platform.platform()
 
 
 def build_tag(source: bytes) -> str:

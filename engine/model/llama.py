@@ -117,8 +117,11 @@ class CausalLM:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in fp32 for the given rows of final hidden states."""
         # vocab-major product: MKL runs [vocab, H] @ [H, rows] faster than the row-major
-        # form when rows are few (decode batches); the result is a transposed view
-        return torch.mm(self.lm_head, hidden.t()).t().float()
+        # form when rows are few (decode batches). Made row-major here: a reduction over
+        # the vocabulary of the transposed view (argmax at batch 64) ran 3x slower.
+        vocab_major = torch.mm(self.lm_head, hidden.t())
+        logits = torch.empty(vocab_major.shape[::-1], dtype=torch.float32, device=hidden.device)
+        return logits.copy_(vocab_major.t())
 
 
 def _load_layer(reader: CheckpointReader, i: int) -> DecoderLayer:

@@ -1,10 +1,12 @@
 """A request's tokens do not depend on what else is in its batch, on chunking, or on
 preemption: run alone vs among 32 mixed requests with a tiny token budget and a KV cache
-small enough to force preemption."""
+small enough to force preemption. Within each dtype: fp32 and bf16 (whose coarse rounding
+turns any difference in summation order into flipped tokens)."""
 
 import random
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.loader import kv_block_bytes
@@ -34,22 +36,24 @@ def run_alone(llm, prompts, params):
 
 def squeezed_llm(model_dir, num_blocks: int, max_model_len: int = 256, **args):
     """An engine whose KV cache holds exactly `num_blocks` blocks."""
-    probe = LLM(str(model_dir), max_model_len=max_model_len, block_size=BLOCK_SIZE)
+    probe = LLM(str(model_dir), max_model_len=max_model_len, block_size=BLOCK_SIZE, dtype=args.get("dtype", "auto"))
     loaded = probe.engine.loaded
     per_block = kv_block_bytes(loaded.shape, BLOCK_SIZE, loaded.model.dtype)
     return LLM(str(model_dir), max_model_len=max_model_len, block_size=BLOCK_SIZE,
                kv_cache_bytes=num_blocks * per_block, **args)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
-def test_alone_equals_batched_with_chunking_and_preemption(request, fixture, sampled):
+def test_alone_equals_batched_with_chunking_and_preemption(request, fixture, sampled, dtype):
     model_dir = request.getfixturevalue(fixture)
     prompts, params = mixed_requests(7, sampled)
-    alone = run_alone(LLM(str(model_dir), max_model_len=256), prompts, params)
+    alone = run_alone(LLM(str(model_dir), max_model_len=256, dtype=dtype), prompts, params)
 
     # 48 blocks of 8 tokens hold ~3 of these requests at once; budget 16 tokens per step
-    llm = squeezed_llm(model_dir, num_blocks=48, max_num_batched_tokens=16)
+    llm = squeezed_llm(model_dir, num_blocks=48, max_num_batched_tokens=16, dtype=dtype)
+    assert llm.engine.loaded.model.dtype == getattr(torch, dtype)
     batched = [o.token_ids for o in llm.generate(prompts, params)]
 
     engine = llm.engine
@@ -61,7 +65,8 @@ def test_alone_equals_batched_with_chunking_and_preemption(request, fixture, sam
 
 
 @pytest.mark.slow
-def test_smollm2_batch_invariance(smollm2_dir):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_smollm2_batch_invariance(smollm2_dir, dtype):
     texts = ["The capital of France is", "Write a poem about autumn leaves.",
              "1, 2, 3, 4,", "Tell me a joke about computers and programmers.",
              "What is the boiling point of water?", "Name a famous painter:",
@@ -71,8 +76,8 @@ def test_smollm2_batch_invariance(smollm2_dir):
               for i in range(len(texts))]
     params = [greedy] * len(texts) + seeded
     prompts = texts + texts
-    alone = run_alone(LLM(str(smollm2_dir), max_model_len=128), prompts, params)
-    llm = squeezed_llm(smollm2_dir, num_blocks=16, max_model_len=128, max_num_batched_tokens=16)
+    alone = run_alone(LLM(str(smollm2_dir), max_model_len=128, dtype=dtype), prompts, params)
+    llm = squeezed_llm(smollm2_dir, num_blocks=16, max_model_len=128, max_num_batched_tokens=16, dtype=dtype)
     batched = [o.token_ids for o in llm.generate(prompts, params)]
     assert llm.engine.scheduler.num_preemptions > 0
     assert alone == batched

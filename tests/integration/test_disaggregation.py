@@ -1,5 +1,6 @@
 """Prefill on one process, decode on another, KV moved between them (real processes, real
-gRPC, each transport): token identity with the offline engine."""
+gRPC, each transport, fp32 and bf16 KV): token identity with the offline engine in the same
+dtype. Peers in different dtypes refuse to pair, and the request is prefilled locally."""
 
 import asyncio
 import random
@@ -12,13 +13,13 @@ from testkit.workers import WorkerProcess, collect, decode_stub, generate_reques
 PREFILL_ARGS = ("--max-num-batched-tokens", "32")  # prompts span several chunks
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_llama_dir):
-    model = str(tiny_llama_dir)
-    with WorkerProcess("prefill", model, *PREFILL_ARGS) as p1, \
-            WorkerProcess("prefill", model, *PREFILL_ARGS) as p2, \
-            WorkerProcess("decode", model) as d:
-        yield {"model": model, "prefill": [p1, p2], "decode": d}
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def cluster(request, tiny_llama_dir):
+    model, dtype = str(tiny_llama_dir), request.param
+    with WorkerProcess("prefill", model, "--dtype", dtype, *PREFILL_ARGS) as p1, \
+            WorkerProcess("prefill", model, "--dtype", dtype, *PREFILL_ARGS) as p2, \
+            WorkerProcess("decode", model, "--dtype", dtype) as d:
+        yield {"model": model, "dtype": dtype, "prefill": [p1, p2], "decode": d}
 
 
 def workload(seed: int, n: int, sampled: bool):
@@ -32,8 +33,8 @@ def workload(seed: int, n: int, sampled: bool):
     return out
 
 
-def offline(model: str, requests) -> list[list[int]]:
-    llm = LLM(model)
+def offline(model: str, requests, dtype: str) -> list[list[int]]:
+    llm = LLM(model, dtype=dtype)
     params = [SamplingParams(ignore_eos=True, **{k: v for k, v in p.items() if v is not None})
               for _, p in requests]
     return [o.token_ids for o in llm.generate([ids for ids, _ in requests], params)]
@@ -55,7 +56,7 @@ async def run_disaggregated(cluster, requests, transport: str, tag: str):
 @pytest.mark.parametrize("transport", ["torch", "grpc"])
 def test_disaggregated_matches_offline_engine(cluster, transport, sampled):
     requests = workload(seed=3 if sampled else 4, n=8, sampled=sampled)
-    expected = offline(cluster["model"], requests)
+    expected = offline(cluster["model"], requests, cluster["dtype"])
     results, decode_stats = asyncio.run(run_disaggregated(cluster, requests, transport, f"{transport}-{sampled}"))
     for i, ((tokens, finish, prefilled_by), want) in enumerate(zip(results, expected, strict=True)):
         assert prefilled_by not in ("", "local"), f"request {i} was not prefilled remotely"
@@ -74,3 +75,26 @@ def test_disaggregated_matches_offline_engine(cluster, transport, sampled):
     for stats in asyncio.run(prefill_idle()):
         assert stats.num_free_blocks == stats.num_total_blocks
         assert stats.num_finished > 0
+
+
+@pytest.mark.parametrize("transport", ["torch", "grpc"])
+def test_peers_in_different_dtypes_refuse_to_pair(tiny_llama_dir, transport):
+    """A bf16 decode worker and an fp32 prefill worker: the decode worker refuses the leg
+    naming the dtypes and what to do, prefills locally (bf16 tokens), and nothing leaks."""
+    model = str(tiny_llama_dir)
+    ids, params = workload(seed=5, n=1, sampled=False)[0]
+    expected = offline(model, [(ids, params)], "bfloat16")[0]
+    with WorkerProcess("prefill", model, "--dtype", "float32") as p, \
+            WorkerProcess("decode", model, "--dtype", "bfloat16") as d:
+        async def scenario():
+            channel, stub = decode_stub(d.address)
+            async with channel:
+                result = await collect(stub, generate_request("mixed", ids, prefill=[p.address],
+                                                              transport=transport, **params))
+                return result, await wait_idle(stub)
+
+        (tokens, finish, prefilled_by), stats = asyncio.run(scenario())
+        log = d.log()
+    assert prefilled_by == "local" and tokens == expected and finish == "length"
+    assert "dtype: bfloat16 vs float32" in log and "give both pools the same engine dtype" in log
+    assert stats.num_free_blocks == stats.num_total_blocks

@@ -22,8 +22,8 @@ def workers(tiny_llama_dir):
     model = str(tiny_llama_dir)
     # the decode worker holds 80 blocks (1280 tokens): a long request makes others queue; a
     # prefill leg may take 30 s before it is abandoned (a hung peer holds its blocks that long)
-    with WorkerProcess("prefill", model, "--max-num-batched-tokens", "8") as slow_p, \
-            WorkerProcess("decode", model, "--kv-cache-bytes", str(80 * BLOCK_BYTES),
+    with WorkerProcess("prefill", model, "--dtype", "float32", "--max-num-batched-tokens", "8") as slow_p, \
+            WorkerProcess("decode", model, "--dtype", "float32", "--kv-cache-bytes", str(80 * BLOCK_BYTES),
                           "--kv-transfer-timeout-s", "30") as d:
         yield {"model": model, "p": slow_p, "d": d}
 

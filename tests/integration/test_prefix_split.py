@@ -9,6 +9,7 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
+from kv_transfer.layout import KVLayout
 from protos import pdserve_pb2 as pb
 from testkit.workers import WorkerProcess, decode_stub, generate_request, wait_idle
 
@@ -26,8 +27,9 @@ def split(tiny_llama_dir):
     model = str(tiny_llama_dir)
     with WorkerProcess("prefill", model, "--max-num-batched-tokens", "32") as p, \
             WorkerProcess("decode", model) as d1, WorkerProcess("decode", model) as d2:
-        yield {"model": model, "p": p.address, "d1": d1.address, "d2": d2.address,
-               "token_bytes": None, "llm": LLM(model)}
+        llm = LLM(model)  # the workers' dtype (`auto` on the same machine)
+        yield {"model": model, "p": p.address, "d1": d1.address, "d2": d2.address, "llm": llm,
+               "token_bytes": KVLayout.of_cache(llm.engine.runner.kv_cache).kv_bytes(1)}
 
 
 async def generate(address: str, rid: str, prompt: list[int], prefill: list[str], transport: str):
@@ -52,7 +54,7 @@ def offline(split, prompt):
 def test_only_what_the_decode_worker_lacks_is_shipped(split, transport):
     seed = {"torch": 0, "grpc": 100}[transport]
     system = ids(4 * BLOCK, seed + 1)  # four full blocks every prompt below starts with
-    token_bytes = 2 * 2 * 2 * 16 * 4  # layers x K,V x kv heads x head dim x fp32 (tiny model)
+    token_bytes = split["token_bytes"]  # one token's K and V in every layer
 
     async def scenario():
         p, d1, d2 = split["p"], split["d1"], split["d2"]
@@ -111,8 +113,7 @@ def test_abort_during_a_delta_transfer_keeps_the_shared_prefix(split):
     assert reply.found
     assert idle.num_free_blocks == idle.num_total_blocks and idle.num_cached_blocks >= 4
     assert tokens == offline(split, system + ids(12, 903))
-    token_bytes = 2 * 2 * 2 * 16 * 4
-    assert shipped == 12 * token_bytes  # the four shared blocks were still there to reuse
+    assert shipped == 12 * split["token_bytes"]  # the four shared blocks were still there to reuse
 
 
 def test_bad_cached_token_counts_are_refused_by_the_prefill_worker(split):
