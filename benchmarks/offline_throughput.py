@@ -20,12 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 DEFAULT_WORKLOAD = ROOT.parent / "shared" / "workloads" / "offline-mixed.jsonl"
 from benchmarks.report import panels, repo_relative, write  # noqa: E402
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.attention import AttentionMetadata, paged_attention
+from engine.model.linear import can_pack, linear, pack
 from engine.model.weights import CheckpointReader
 
 
@@ -75,6 +76,9 @@ class CausalLM:
         tied = getattr(hf_config, "tie_word_embeddings", False) or not reader.has("lm_head.weight")
         self.lm_head = self.embed if tied else reader.get("lm_head.weight")
         self.rope_cos, self.rope_sin = rope_tables(hf_config, max_model_len, self.dtype, self.device)
+        # bf16 on the CPU: the LM head packed for oneDNN (a copy when tied to the embedding,
+        # which lookups need plain); None where linear layers stay plain
+        self.lm_head_packed = pack(self.lm_head) if can_pack(self.lm_head) else None
 
     @torch.inference_mode()
     def forward(
@@ -99,7 +103,7 @@ class CausalLM:
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         for index, layer in enumerate(self.layers):
             x = rms_norm(hidden, layer.input_norm, s.rms_norm_eps)
-            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+            qkv = linear(x, layer.qkv_weight, layer.qkv_bias)
             qk, v = qkv.split([q_size + kv_size, kv_size], dim=-1)
             qk = apply_rope(qk.view(num_tokens, s.num_heads + s.num_kv_heads, s.head_dim), cos, sin)
             q, k = qk.split([s.num_heads, s.num_kv_heads], dim=1)
@@ -107,15 +111,17 @@ class CausalLM:
             if layer_hook is not None:
                 layer_hook(index, k, v)
             attn = paged_attention(q, k, v, kv_cache[index, 0], kv_cache[index, 1], meta, self.scale)
-            hidden = hidden + F.linear(attn.reshape(num_tokens, q_size), layer.o_weight, layer.o_bias)
+            hidden = hidden + linear(attn.reshape(num_tokens, q_size), layer.o_weight, layer.o_bias)
             x = rms_norm(hidden, layer.post_norm, s.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer.down_weight, layer.down_bias)
+            gate, up = linear(x, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
+            hidden = hidden + linear(F.silu(gate) * up, layer.down_weight, layer.down_bias)
         return rms_norm(hidden, self.norm, s.rms_norm_eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in fp32 for the given rows of final hidden states."""
+        if self.lm_head_packed is not None:
+            return linear(hidden, self.lm_head_packed).float()
         # vocab-major product: MKL runs [vocab, H] @ [H, rows] faster than the row-major
         # form when rows are few (decode batches). Made row-major here: a reduction over
         # the vocabulary of the transposed view (argmax at batch 64) ran 3x slower.
@@ -129,14 +135,14 @@ def _load_layer(reader: CheckpointReader, i: int) -> DecoderLayer:
     attn, mlp = prefix + "self_attn.", prefix + "mlp."
     return DecoderLayer(
         input_norm=reader.get(prefix + "input_layernorm.weight"),
-        qkv_weight=reader.stacked([attn + p + "_proj.weight" for p in "qkv"]),
+        qkv_weight=pack(reader.stacked([attn + p + "_proj.weight" for p in "qkv"])),
         qkv_bias=reader.stacked_optional([attn + p + "_proj.bias" for p in "qkv"]),
-        o_weight=reader.get(attn + "o_proj.weight"),
+        o_weight=pack(reader.get(attn + "o_proj.weight")),
         o_bias=reader.optional(attn + "o_proj.bias"),
         post_norm=reader.get(prefix + "post_attention_layernorm.weight"),
-        gate_up_weight=reader.stacked([mlp + "gate_proj.weight", mlp + "up_proj.weight"]),
+        gate_up_weight=pack(reader.stacked([mlp + "gate_proj.weight", mlp + "up_proj.weight"])),
         gate_up_bias=reader.stacked_optional([mlp + "gate_proj.bias", mlp + "up_proj.bias"]),
-        down_weight=reader.get(mlp + "down_proj.weight"),
+        down_weight=pack(reader.get(mlp + "down_proj.weight")),
         down_bias=reader.optional(mlp + "down_proj.bias"),
     )
 
