@@ -99,7 +99,13 @@ def _up(args) -> int:
         print(f"pdserve: start-up failed: {_root_cause(exc)}", file=sys.stderr)
         _teardown(controller, started_ray)
         return 1
-    print(f"pdserve is serving {config.name} at {url}/v1 (ready in {time.monotonic() - started:.1f}s)", flush=True)
+    dtypes = _dtypes(ray.get(controller.status.remote()))
+    print(f"pdserve is serving {config.name} at {url}/v1 (ready in {time.monotonic() - started:.1f}s; "
+          f"{dtypes})", flush=True)
+    if "every worker" not in dtypes:
+        print("warning: the pools run different dtypes, so their KV cannot be shipped between them and "
+              "every request is prefilled on its decode worker; set the same engine.dtype in both pools",
+              file=sys.stderr, flush=True)
     if args.detach:
         return 0
     print("Ctrl-C to stop", file=sys.stderr, flush=True)
@@ -144,6 +150,16 @@ def _controller(address):
         raise ValueError("pdserve is not running on this Ray cluster; start it with `pdserve up`") from None
 
 
+def _dtypes(status: dict) -> str:
+    """The workers' dtypes, e.g. "bfloat16 on every worker" or "prefill float32, decode bfloat16"."""
+    by_pool = {role: sorted({w["dtype"] for w in pool["workers"] if w.get("dtype")})
+               for role, pool in status["pools"].items()}
+    names = {d for ds in by_pool.values() for d in ds}
+    if len(names) == 1:
+        return f"{names.pop()} on every worker"
+    return ", ".join(f"{role} {'/'.join(ds) or '-'}" for role, ds in by_pool.items())
+
+
 def _status(args) -> int:
     import ray
 
@@ -169,7 +185,7 @@ def _status(args) -> int:
             held = index.get(w["worker_id"], {})
             indexed = f"{held['held']}+{held['expected']}" if held else "-"
             print(f"  {w['worker_id'] or '(starting)':14} {w['address'] or '-':22} {w['state']:9} "
-                  f"{w.get('dtype') or '-':8} {w.get('num_threads') or '-'!s:>2} threads  "
+                  f"{w.get('dtype') or '-':8}  threads {w.get('num_threads') or '-'!s:>2}  "
                   f"running {s.get('num_running', '-')!s:>4}  waiting {s.get('num_waiting', '-')!s:>4}  "
                   f"queued prefill tokens {s.get('queued_prefill_tokens', '-')!s:>6}  KV used {kv}  "
                   f"cache hits {hit}  router index {indexed} blocks")
