@@ -17,7 +17,8 @@ _HELP = {
     "max_model_len": "longest prompt + output in tokens (default: the model's limit)",
     "max_num_seqs": "most sequences in one batch",
     "max_num_batched_tokens": "token budget of one step (chunked prefill splits longer prompts)",
-    "kv_cache_bytes": "KV cache budget in bytes (default: 2 GiB on CPU, a fraction of free GPU memory)",
+    "kv_cache_bytes": ("KV cache budget in bytes (default: $PDSERVE_CPU_KV_CACHE_BYTES or 2 GiB on CPU, "
+                       "a fraction of free GPU memory)"),
     "gpu_memory_utilization": "fraction of free GPU memory for the KV cache",
     "seed": "seed for requests that bring none",
     "enable_prefix_caching": "reuse the KV of cached full blocks of earlier prompts and replies",

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
+CPU_KV_CACHE_ENV = "PDSERVE_CPU_KV_CACHE_BYTES"  # overrides DEFAULT_CPU_KV_CACHE_BYTES
 
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # what weights and KV may be stored in
@@ -18,8 +19,9 @@ class EngineConfig:
 
     `model` is a model name or path as accepted by `engine.model_source.resolve_model`.
     `max_model_len=None` takes the model's own limit (capped by a sliding window).
-    `kv_cache_bytes=None` means: 2 GiB on CPU, `gpu_memory_utilization` of the free GPU
-    memory (after weights) on CUDA.
+    `kv_cache_bytes=None` means: on CPU `$PDSERVE_CPU_KV_CACHE_BYTES` or else 2 GiB (see
+    `default_cpu_kv_cache_bytes`), on CUDA `gpu_memory_utilization` of the free GPU memory
+    (after weights).
     """
 
     model: str = DEFAULT_MODEL
@@ -66,3 +68,23 @@ class EngineConfig:
 def _check_range(name: str, value: object, low: int, high: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
         raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+
+
+def default_cpu_kv_cache_bytes() -> int:
+    """The CPU KV budget of an engine given no `kv_cache_bytes`: `$PDSERVE_CPU_KV_CACHE_BYTES`
+    when set (like vLLM's `VLLM_CPU_KVCACHE_SPACE`: one knob for every engine a host starts,
+    bare workers and Ray actors included, since they inherit the environment), else 2 GiB.
+    The whole budget is allocated (and zeroed) at start-up."""
+    import os
+
+    raw = os.environ.get(CPU_KV_CACHE_ENV, "").strip()
+    if not raw:
+        return DEFAULT_CPU_KV_CACHE_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{CPU_KV_CACHE_ENV} must be a positive number of bytes (e.g. {512 << 20} for "
+                         f"512 MiB), got {raw!r}; unset it for the 2 GiB default")
+    return value

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from engine.config import EngineConfig, default_cpu_kv_cache_bytes
 from engine.cpu import native_bf16_flags
 from engine.dtypes import TORCH_DTYPES, dtype_name
 from engine.model.llama import CausalLM, ModelShape
@@ -105,7 +105,7 @@ def num_kv_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
             free, _ = torch.cuda.mem_get_info(model.device)
             budget = int(free * config.gpu_memory_utilization)
         else:
-            budget = DEFAULT_CPU_KV_CACHE_BYTES
+            budget = default_cpu_kv_cache_bytes()
     num_blocks = budget // per_block
     needed = -(-loaded.max_model_len // config.block_size)
     if num_blocks < needed:

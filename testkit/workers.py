@@ -56,6 +56,17 @@ class _Process:
         self.stop()
 
 
+def _die_with_the_test_process() -> None:
+    """`preexec_fn` of every process started here: if the test process is killed outright
+    (the OOM killer, a CI timeout), the kernel kills its workers and routers too, instead of
+    leaving them to hold memory and ports for the rest of the machine's run."""
+    if sys.platform == "linux":
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 class WorkerProcess(_Process):
     """A worker subprocess. Use as a context manager, or call `stop()`. A decode worker
     prefills every request remotely (`--local-prefill-max-tokens 0`) unless told otherwise."""
@@ -70,7 +81,8 @@ class WorkerProcess(_Process):
         cmd = [*launcher, sys.executable, "-m", f"{role}_worker", "--model", model, "--ready-file", str(ready), *args]
         self._log = open(self.log_path, "w")
         full_env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", TOKEN_ENV: CLUSTER_TOKEN, **(env or {})}
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
+                                     preexec_fn=_die_with_the_test_process)
         deadline = time.monotonic() + ready_timeout_s
         while not ready.exists():
             if self.proc.poll() is not None:
@@ -166,7 +178,8 @@ class RouterProcess(_Process):
         full_env = {**os.environ, TOKEN_ENV: CLUSTER_TOKEN, **(env or {})}
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={k: v for k, v in full_env.items() if v is not None})
+                                     env={k: v for k, v in full_env.items() if v is not None},
+                                     preexec_fn=_die_with_the_test_process)
         deadline = time.monotonic() + ready_timeout_s
         while True:
             if self.proc.poll() is not None:

@@ -6,6 +6,11 @@ from hypothesis import settings
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Every engine the suite starts (in this process, in worker subprocesses and Ray actors, which
+# inherit the environment) gets a 512 MiB KV cache unless a test sizes it: enough for one
+# max-length SmolLM2 request in fp32, and a quarter of the 2 GiB default, which with a dozen
+# engines alive at once (module-scoped worker fixtures) ran a 24 GiB CI machine out of memory.
+os.environ.setdefault("PDSERVE_CPU_KV_CACHE_BYTES", str(512 << 20))
 
 # CI runs the same examples every time (no random seed, no example database replaying
 # earlier failures); local runs keep exploring with hypothesis' default profile.
