@@ -71,8 +71,9 @@ def check_prompt_length(num_tokens: int, max_model_len: int) -> None:
                          f"the prompt must be at most {max_model_len - 1} tokens")
 
 
-def apply_chat_template(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of a conversation with the generation prompt appended."""
+def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a conversation, with the assistant's generation prompt appended unless
+    `add_generation_prompt` is false."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template; use a plain completion prompt")
     if not isinstance(messages, list) or not messages:
@@ -81,7 +82,7 @@ def apply_chat_template(tokenizer, messages: list[dict]) -> list[int]:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
                 or not isinstance(message.get("content"), str):
             raise ValueError(f"messages[{i}] must have string 'role' and 'content'")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in newer versions
         ids = ids["input_ids"]
     return list(ids)

@@ -34,6 +34,7 @@ from router.generation import Generation, GenerationError
 from router.metrics import RouterMetrics
 from router.policies import DEFAULT_POLICY, CacheAwareWeights, RouteRequest, decode_busy, make_policy
 from router.registry import WorkerRegistry
+from router.tokenize import install_tokenize
 
 logger = logging.getLogger("router")
 
@@ -76,6 +77,7 @@ class Router:
         self.policy = make_policy(config.routing, config.cache_aware)
         self.metrics = RouterMetrics(registry)
         self.tokenizer = None
+        self.created = int(time.time())  # GET /v1/models
         self.inflight = 0
         self.finished: deque = deque(maxlen=20000)  # (end, prompt, completion tokens, ttft, tpot, cached)
 
@@ -143,6 +145,7 @@ def build_app(router: Router) -> FastAPI:
         app.add_middleware(APIKeyMiddleware, keys=config.api_keys, protect_metrics=config.metrics_require_key)
     install_handlers(app)
     install_admin(app, router)
+    install_tokenize(app, router, lambda request, model: _read_body(request, model, config.max_body_bytes))
 
     @app.get("/health")
     async def health():
@@ -154,7 +157,7 @@ def build_app(router: Router) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": config.served_model_name, "object": "model",
-                                            "created": 0, "owned_by": "pdserve",
+                                            "created": router.created, "owned_by": "pdserve",
                                             "max_model_len": router.registry.model.max_model_len}]}
 
     @app.get("/metrics")
@@ -173,7 +176,10 @@ def build_app(router: Router) -> FastAPI:
         body = await _read_body(request, protocol.ChatCompletionRequest, config.max_body_bytes)
         if router.tokenizer is None or not getattr(router.tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        try:
+            messages = protocol.template_messages(body.messages)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "messages") from None
         ids = apply_chat_template(router.tokenizer, messages)
         return await _serve(request, router, body, ids, chat=True)
 
@@ -252,8 +258,8 @@ async def _serve(request: Request, router: Router, body, ids: list[int], chat: b
     decode.note_routed(rid)
     generation = Generation(router, rid, prompt, params, route, decode)
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        stream = _sse(router, generation, body.model, chat, include_usage, body.return_token_ids)
+        options = body.stream_options or protocol.StreamOptions()
+        stream = _sse(router, generation, body.model, chat, options, body.return_token_ids)
         return StreamingResponse(stream, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     _begin(router)
@@ -303,12 +309,21 @@ async def _collect(request: Request, generation: Generation) -> tuple[str, list[
     return "".join(parts), token_ids
 
 
-async def _sse(router: Router, generation: Generation, model: str, chat: bool, include_usage: bool,
+async def _sse(router: Router, generation: Generation, model: str, chat: bool, options: protocol.StreamOptions,
                return_token_ids: bool):
+    """The SSE stream of a request: chunks, then (with `include_usage`) a usage chunk, then
+    `[DONE]`; with `continuous_usage_stats` too, every chunk carries the usage so far."""
     rid, created = generation.request_id, int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
+    continuous = options.include_usage and options.continuous_usage_stats
+
+    def current_usage() -> dict:
+        result = generation.result
+        return protocol.usage(len(generation.prompt_ids), result.num_completion_tokens, result.num_cached_tokens)
 
     def event(payload: dict) -> bytes:
+        if continuous and payload.get("choices"):
+            payload["usage"] = current_usage()
         return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
     _begin(router)  # counted from the first iteration: a stream never started holds nothing
@@ -331,10 +346,8 @@ async def _sse(router: Router, generation: Generation, model: str, chat: bool, i
             yield event({"error": {"message": str(exc), "type": "server_error", "code": status}})
             yield b"data: [DONE]\n\n"
             return
-        if include_usage:
-            yield event(protocol.usage_chunk(rid, model, created, kind, len(generation.prompt_ids),
-                                             generation.result.num_completion_tokens,
-                                             generation.result.num_cached_tokens))
+        if options.include_usage:
+            yield event(protocol.usage_chunk(rid, model, created, kind, current_usage()))
         yield b"data: [DONE]\n\n"
     finally:
         if generation.result.finish_reason is None:

@@ -1,7 +1,7 @@
-"""API keys on the OpenAI endpoints, as vLLM's `--api-key`: with keys configured, `/v1/*`
-(and `/metrics` if asked) need `Authorization: Bearer <key>`; anything else gets 401 with an
-OpenAI error object before the body is read. `/health` stays open. Keys are compared in
-constant time."""
+"""API keys on the OpenAI endpoints, as vLLM's `--api-key`: with keys configured, `/v1/*`,
+`/tokenize`, `/detokenize` (and `/metrics` if asked) need `Authorization: Bearer <key>`;
+anything else gets 401 with an OpenAI error object before the body is read. `/health` stays
+open. Keys are compared in constant time."""
 
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ class APIKeyMiddleware:
         self.app, self.keys, self.protect_metrics = app, keys, protect_metrics
 
     def _protected(self, path: str) -> bool:
-        return path.startswith("/v1/") or (self.protect_metrics and path == "/metrics")
+        return (path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+                or (self.protect_metrics and path == "/metrics"))
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and self._protected(scope["path"]):

@@ -14,6 +14,9 @@ NonNegInt = Annotated[StrictInt, Field(ge=0)]
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: StrictBool = False
+    # vLLM's extension, sent by benchmark clients (guidellm): with include_usage, every chunk
+    # carries the usage so far, not only the final one
+    continuous_usage_stats: StrictBool = False
 
 
 class _SamplingFields(BaseModel):
@@ -72,15 +75,52 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
 
 
+class ContentPart(BaseModel):
+    """One part of a message's `content` list. Only text parts are served; any other type
+    (image_url, input_audio, file) is refused by `ChatMessage.text` with a 400."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | list[ContentPart]
     name: str | None = None
+
+    def text(self, where: str) -> str:
+        """The message's text: a string as is, a list's text parts joined by newlines (as vLLM
+        joins them); ValueError naming the part (`where` is e.g. "messages[1]") otherwise."""
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for j, part in enumerate(self.content):
+            if part.type != "text":
+                raise ValueError(f"{where}.content[{j}]: only text parts are supported, got type {part.type!r}")
+            if part.text is None:
+                raise ValueError(f"{where}.content[{j}]: a text part needs a 'text' string")
+            texts.append(part.text)
+        return "\n".join(texts)
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: StrictBool | None = None
+    response_format: dict | None = None
+
+    def unsupported(self) -> str | None:
+        if self.tools or self.tool_choice not in (None, "none"):
+            return "tools: tool calling is not supported yet; send the request without tools/tool_choice"
+        if self.response_format and self.response_format.get("type") != "text":
+            return "response_format: structured output is not supported yet; only {'type': 'text'}"
+        if self.top_logprobs:
+            return "top_logprobs: not supported"
+        return super().unsupported()
 
 
 def new_id(prefix: str) -> str:
@@ -119,7 +159,18 @@ def chat_chunk(rid: str, model: str, created: int, delta: dict, finish: str | No
             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
 
 
-def usage_chunk(rid: str, model: str, created: int, kind: str, prompt_tokens: int,
-                completion_tokens: int, cached_tokens: int = 0) -> dict:
-    return {"id": rid, "object": kind, "created": created, "model": model, "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
+def usage_chunk(rid: str, model: str, created: int, kind: str, usage_object: dict) -> dict:
+    """The stream's last chunk before `[DONE]` under `stream_options.include_usage`."""
+    return {"id": rid, "object": kind, "created": created, "model": model, "choices": [], "usage": usage_object}
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict]:
+    """A conversation as the chat template takes it (string contents); ValueError names a
+    message part pdserve cannot serve."""
+    out = []
+    for i, message in enumerate(messages):
+        entry = {"role": message.role, "content": message.text(f"messages[{i}]")}
+        if message.name is not None:
+            entry["name"] = message.name
+        out.append(entry)
+    return out

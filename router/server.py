@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="how long a request whose decode worker failed waits for another to become "
                              "routable (a replacement starting) before the client gets the error (default: 30)")
     parser.add_argument("--api-key", action="append", default=None,
-                        help=f"require `Authorization: Bearer KEY` on /v1 (repeatable; default: ${API_KEY_ENV})")
+                        help=f"require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize "
+                             f"(repeatable; default: ${API_KEY_ENV})")
     parser.add_argument("--https-cert", default=None, help="serve HTTPS with this certificate (PEM)")
     parser.add_argument("--https-key", default=None, help="the HTTPS certificate's private key (PEM)")
     add_security_args(parser)
