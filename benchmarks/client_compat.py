@@ -57,8 +57,10 @@ def run_guidellm(exe: str, url: str, model: str, tokenizer: Path, endpoint: str,
 def run_aiperf(exe: str, url: str, model: str, tokenizer: Path, endpoint: str, requests: int, workdir: Path) -> dict:
     kind = "chat" if endpoint == "/v1/chat/completions" else "completions"
     artifacts = workdir / f"aiperf-{kind}"
-    cmd = [exe, "profile", "--model", model, "--url", url, "--endpoint-type", kind, "--streaming",
-           "--per-chunk-usage", "--use-server-token-count", "--request-count", str(requests), "--concurrency", "4",
+    # per-chunk usage (stream_options.continuous_usage_stats) is a chat-only option in aiperf
+    usage = ["--per-chunk-usage", "--use-server-token-count"] if kind == "chat" else []
+    cmd = [exe, "profile", "--model", model, "--url", url, "--endpoint-type", kind, "--streaming", *usage,
+           "--request-count", str(requests), "--concurrency", "4",
            "--prompt-input-tokens-mean", "128", "--prompt-output-tokens-mean", "32", "--extra-inputs",
            "ignore_eos:true", "--tokenizer", str(tokenizer), "--artifact-dir", str(artifacts), "--ui-type", "none"]
     started = time.monotonic()
