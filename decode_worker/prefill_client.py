@@ -18,13 +18,14 @@ from dataclasses import dataclass
 
 import grpc
 
+from engine.outputs import TokenLogprob
 from kv_transfer.base import thread_safe_notifier
 from kv_transfer.layout import KVLayout
 from kv_transfer.reservations import TransferError
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from protos.channel import open_channel
-from protos.convert import sampling_to_proto
+from protos.convert import logprob_from_proto, sampling_to_proto
 
 
 @dataclass
@@ -60,10 +61,11 @@ class PrefillClient:
         return peer
 
     async def run(self, address: str, request_id: str, ids: list[int], params, transport: str,
-                  num_cached_tokens: int = 0) -> tuple[int, str, int]:
+                  num_cached_tokens: int = 0) -> tuple[int, str, int, TokenLogprob | None]:
         """Prefill remotely into the request's reserved blocks, of which the first
         `num_cached_tokens` positions hold KV already (shared cached blocks: only the rest is
-        shipped). Returns (first token, prefill worker id, tokens its own cache supplied)."""
+        shipped). Returns (first token, prefill worker id, tokens its own cache supplied, the
+        first token's logprob when the request asked for logprobs)."""
         service = self.service
         try:
             peer = await self.peer(address)
@@ -92,6 +94,7 @@ class PrefillClient:
             service.layout.to_proto(start.layout)
             await call.write(pb.PrefillClientMessage(start=start))
             done = await self._receive_until_done(call, reservation.transfer_id)
+            first_logprob = self._first_logprob(done, params)
             await kv_complete
             if reservation.error is not None:
                 raise TransferError(reservation.error)
@@ -99,7 +102,7 @@ class PrefillClient:
             await call.done_writing()
             completed = True
             service.kv_bytes_received += service.layout.kv_bytes(len(ids) - num_cached_tokens)
-            return done.first_token, done.prefill_worker_id, done.num_cached_tokens
+            return done.first_token, done.prefill_worker_id, done.num_cached_tokens, first_logprob
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 self._forget(peer)
@@ -108,6 +111,18 @@ class PrefillClient:
             service.table.release(reservation.transfer_id)
             if not completed:
                 call.cancel()
+
+    def _first_logprob(self, done: pb.PrefillDone, params) -> TokenLogprob | None:
+        """The first token's logprob from `done`, checked, when the request asked for logprobs."""
+        if params.logprobs is None:
+            return None
+        if not done.HasField("first_logprob"):
+            raise TransferError("prefill worker sent no logprob for the first token of a request that asked")
+        try:
+            return logprob_from_proto(done.first_token, done.first_logprob,
+                                      self.service.engine.loaded.shape.vocab_size, params.logprobs)
+        except ValueError as exc:
+            raise TransferError(f"prefill worker sent bad logprobs: {exc}") from None
 
     async def _receive_until_done(self, call, transfer_id: int) -> pb.PrefillDone:
         table = self.service.table

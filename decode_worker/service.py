@@ -34,7 +34,7 @@ from kv_transfer.base import check_transport_name
 from kv_transfer.reservations import ReservationTable
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
-from protos.convert import sampling_from_proto
+from protos.convert import logprob_to_proto, sampling_from_proto
 from worker_base.config import WorkerConfig
 from worker_base.service import WorkerServiceBase
 
@@ -202,7 +202,7 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
         one of them sends. None when both failed (the blocks stay reserved)."""
         for address in addresses[:2]:
             try:
-                first_token, prefill_id, prefill_cached = await asyncio.wait_for(
+                first_token, prefill_id, prefill_cached, first_logprob = await asyncio.wait_for(
                     self.prefill.run(address, request_id, ids, params, transport, cached),
                     timeout=self.config.kv_transfer_timeout_s)
             except asyncio.CancelledError:
@@ -214,7 +214,7 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
                 continue
             async with self.aengine.lock:
                 output = self.engine.add_prefilled_request(request_id, ids, params, first_token,
-                                                           prefill_cached)
+                                                           prefill_cached, first_logprob)
             self.aengine.wake()
             self._serve_block_waiters()  # it may have finished at once, freeing blocks
             return output, prefill_id
@@ -296,4 +296,5 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
     def _chunk(output: RequestOutput, prefilled_by: str) -> pb.GenerateChunk:
         return pb.GenerateChunk(token_ids=output.new_token_ids, finish_reason=output.finish_reason or "",
                                 num_prompt_tokens=len(output.prompt_token_ids), prefilled_by=prefilled_by,
-                                num_cached_tokens=output.num_cached_tokens if prefilled_by else 0)
+                                num_cached_tokens=output.num_cached_tokens if prefilled_by else 0,
+                                logprobs=[logprob_to_proto(lp) for lp in output.new_logprobs])

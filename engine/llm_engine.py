@@ -11,7 +11,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import load_model, num_kv_blocks
 from engine.model_runner import ModelRunner
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
@@ -59,11 +59,16 @@ class LLMEngine:
         return request
 
     def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                              first_token: int, num_cached_tokens: int = 0) -> RequestOutput:
+                              first_token: int, num_cached_tokens: int = 0,
+                              first_logprob: TokenLogprob | None = None) -> RequestOutput:
         """Admit a request prefilled elsewhere: its prompt KV is already in the blocks
-        reserved under `request_id` (`reserve_blocks`), and its first token is known.
+        reserved under `request_id` (`reserve_blocks`), and its first token is known (with
+        its logprob when the request asked for logprobs).
         `num_cached_tokens`: prompt tokens its prefill did not compute (found in a cache).
         Returns the output for that first token (finished if it ends the request)."""
+        if (params.logprobs is not None) != (first_logprob is not None):
+            raise ValueError(f"request {request_id!r}: the first token's logprob must come exactly when "
+                             f"the request asks for logprobs (logprobs={params.logprobs})")
         request = self._make_request(request_id, prompt_token_ids, params)
         request.num_cached_tokens = num_cached_tokens
         if len(self.block_manager.block_table(request_id)) * self.config.block_size < request.num_prompt_tokens:
@@ -71,7 +76,7 @@ class LLMEngine:
         request.output_token_ids.append(first_token)
         tracked = self._track(request, prompt_token_ids, detokenize=False)
         self.scheduler.add_running(request)
-        return self._after_token(tracked, first_token)
+        return self._after_token(tracked, first_token, first_logprob)
 
     def cached_prompt_tokens(self, prompt_token_ids: list[int]) -> int:
         """How many leading prompt tokens this engine's prefix cache holds (whole blocks,
@@ -146,16 +151,18 @@ class LLMEngine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress with requests pending")
             return []
-        sampled = self.runner.execute(scheduled)
+        sampled, logprobs = self.runner.execute(scheduled)
         self.scheduler.update(scheduled, sampled)
         outputs = []
         for request_id, token in sampled.items():
             tracked = self._tracked[request_id]
-            outputs.append(self._after_token(tracked, token))
+            outputs.append(self._after_token(tracked, token, logprobs.get(request_id)))
         return outputs
 
-    def _after_token(self, tracked: _Tracked, token: int) -> RequestOutput:
+    def _after_token(self, tracked: _Tracked, token: int, logprob: TokenLogprob | None = None) -> RequestOutput:
         request, detok = tracked.request, tracked.detokenizer
+        if logprob is not None:
+            request.output_logprobs.append(logprob)
         text = detok.add_token(token) if detok is not None else ""
         if detok is not None and detok.stopped and not request.status.is_finished:
             self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
@@ -163,13 +170,15 @@ class LLMEngine:
             if detok is not None:
                 text += detok.flush()
             del self._tracked[request.request_id]
-        return self._output(tracked, [token], text)
+        return self._output(tracked, [token], text, [logprob] if logprob is not None else [])
 
     @staticmethod
-    def _output(tracked: _Tracked, new_ids: list[int], new_text: str) -> RequestOutput:
+    def _output(tracked: _Tracked, new_ids: list[int], new_text: str,
+                new_logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
         request = tracked.request
         text = tracked.detokenizer.text if tracked.detokenizer is not None else ""
+        logprobs = list(request.output_logprobs) if request.sampling_params.logprobs is not None else None
         completion = CompletionOutput(0, text, list(request.output_token_ids),
-                                      request.status.finish_reason)
+                                      request.status.finish_reason, logprobs)
         return RequestOutput(request.request_id, tracked.prompt, request.prompt_token_ids,
-                             [completion], new_ids, new_text, request.num_cached_tokens)
+                             [completion], new_ids, new_text, request.num_cached_tokens, new_logprobs or [])

@@ -13,7 +13,8 @@ import torch
 
 from engine.model.attention import AttentionMetadata, PrefillSpan
 from engine.model.llama import CausalLM
-from engine.sampler import sample
+from engine.outputs import TokenLogprob
+from engine.sampler import sample_with_logprobs
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 
 KVHook = Callable[[str, int, int, torch.Tensor, torch.Tensor], None]
@@ -34,23 +35,25 @@ class ModelRunner:
             dtype=model.dtype, device=model.device,
         )
 
-    def execute(self, output: SchedulerOutput) -> dict[str, int]:
-        """Compute the scheduled tokens; return {request_id: sampled token} for sampling chunks."""
+    def execute(self, output: SchedulerOutput) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
+        """Compute the scheduled tokens; return {request_id: sampled token} for sampling
+        chunks, and {request_id: its TokenLogprob} for those whose request asked for them."""
         if output.is_empty:
-            return {}
+            return {}, {}
         input_ids, positions, meta = self.prepare(output.chunks)
         hook = self._layer_hook(output.chunks) if self.kv_hook is not None else None
         hidden = self.model.forward(input_ids, positions, meta, self.kv_cache, hook)
         ends = np.cumsum([len(c.token_ids) for c in output.chunks]) - 1
         sampling = [(i, c) for i, c in enumerate(output.chunks) if c.sample]
         if not sampling:
-            return {}
+            return {}, {}
         rows = torch.as_tensor(ends[[i for i, _ in sampling]], device=self.device)
         logits = self.model.compute_logits(hidden[rows])
         chunks = [c for _, c in sampling]
-        tokens = sample(logits, [c.sampling_params for c in chunks], [c.seed for c in chunks],
-                        [c.output_index for c in chunks])
-        return {c.request_id: t for c, t in zip(chunks, tokens, strict=True)}
+        tokens, logprobs = sample_with_logprobs(logits, [c.sampling_params for c in chunks],
+                                                [c.seed for c in chunks], [c.output_index for c in chunks])
+        return ({c.request_id: t for c, t in zip(chunks, tokens, strict=True)},
+                {c.request_id: lp for c, lp in zip(chunks, logprobs, strict=True) if lp is not None})
 
     def _layer_hook(self, chunks: list[ScheduledChunk]):
         spans, row = [], 0

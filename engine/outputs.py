@@ -5,12 +5,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability, and the `top` most likely tokens `(id, logprob)`
+    in descending order, all in the distribution the token was drawn from: the model's
+    log-softmax for greedy requests; after temperature, top-k and top-p otherwise (a token
+    those filters exclude has logprob -inf)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length", "abort", or None while running
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
 
 
 @dataclass
@@ -24,6 +37,7 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache, not computed
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)  # of new_token_ids, when asked
 
     @property
     def finished(self) -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
 
 
@@ -48,6 +49,7 @@ class Request:
     seed: int
     eos_token_ids: frozenset[int] = frozenset()
     output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # when sampling_params.logprobs is set
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in a prefix cache instead of computed
     status: RequestStatus = RequestStatus.WAITING

@@ -8,12 +8,19 @@ tokens never depend on its batch, on chunking, on preemption, or on which worker
 (Gumbel-max rather than inverse-CDF: a last-bit change in the logits flips an argmax only
 when two perturbed scores tie, while it moves a CDF lookup whenever the distribution is
 flat.) The noise is drawn on the CPU so CPU and CUDA workers agree.
+
+Log-probabilities, for requests that ask (`SamplingParams.logprobs`), are of the
+distribution the token was drawn from: the model's log-softmax for greedy requests, and
+after temperature, top-k and top-p for sampled ones (a token the filters exclude has
+logprob -inf). They are computed from the same logits as the token, so they share its
+batch invariance.
 """
 
 from __future__ import annotations
 
 import torch
 
+from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -40,15 +47,40 @@ def gumbel_noise(seed: int, position: int, vocab_size: int) -> torch.Tensor:
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
            positions: list[int]) -> list[int]:
     """Pick one token per row of `logits` `[rows, vocab]` (fp32)."""
+    return sample_with_logprobs(logits, params, seeds, positions)[0]
+
+
+def sample_with_logprobs(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
+                         positions: list[int]) -> tuple[list[int], list[TokenLogprob | None]]:
+    """Tokens as `sample`, and for each row whose request asked for logprobs its
+    `TokenLogprob` (None for the others; nothing is computed when no row asked)."""
     tokens = logits.max(dim=-1).indices  # the first maximum, as argmax; ~2x faster on CPU
     rows = [i for i, p in enumerate(params) if not p.greedy]
+    processed = None
     if rows:
+        processed = _processed_logits(logits[rows], [params[i] for i in rows])
         noise = torch.stack([gumbel_noise(seeds[i], positions[i], logits.shape[-1]) for i in rows])
-        tokens[rows] = _sample_rows(logits[rows], [params[i] for i in rows], noise)
-    return tokens.tolist()
+        tokens[rows] = (processed + noise.to(processed.device)).argmax(dim=-1)
+    token_list = tokens.tolist()
+    logprobs: list[TokenLogprob | None] = [None] * len(params)
+    asked = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if asked:
+        sampled_row = {row: n for n, row in enumerate(rows)}
+        dist = torch.stack([processed[sampled_row[i]] if i in sampled_row else logits[i] for i in asked])
+        dist = torch.log_softmax(dist.float(), dim=-1)
+        chosen = dist.gather(1, tokens[asked][:, None])[:, 0].tolist()
+        k = max(params[i].logprobs for i in asked)
+        top_values, top_ids = dist.topk(k, dim=-1) if k else (dist[:, :0], dist[:, :0].long())
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        for n, i in enumerate(asked):
+            want = params[i].logprobs
+            top = tuple(zip(top_ids[n][:want], top_values[n][:want], strict=True))
+            logprobs[i] = TokenLogprob(token_list[i], chosen[n], top)
+    return token_list, logprobs
 
 
-def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], noise: torch.Tensor):
+def _processed_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The logits a sampled row draws from: divided by its temperature, then top-k/top-p."""
     vocab = logits.shape[-1]
     device = logits.device
     temps = torch.tensor([p.temperature for p in params], device=device)[:, None]
@@ -57,7 +89,7 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], noise: torc
     top_p = torch.tensor([p.top_p for p in params], device=device)
     if bool((top_k < vocab).any()) or bool((top_p < 1).any()):
         logits = _apply_top_k_top_p(logits, top_k, top_p)
-    return (logits + noise.to(device)).argmax(dim=-1)
+    return logits
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor):

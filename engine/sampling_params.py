@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20  # most alternatives per token, as OpenAI's top_logprobs
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -15,6 +17,8 @@ class SamplingParams:
     position of the first token this request samples: 0, or for a request resumed elsewhere
     (its prompt then ends with the tokens already generated) the number generated before, so
     that it continues with exactly the tokens an unbroken run would have sampled.
+    `logprobs=None` returns no log-probabilities; `logprobs=k` (0..MAX_LOGPROBS) returns each
+    sampled token's and the k most likely tokens' (`engine.outputs.TokenLogprob`).
     """
 
     max_tokens: int = 16
@@ -27,6 +31,7 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     first_position: int = 0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -36,6 +41,8 @@ class SamplingParams:
         _require_int("max_tokens", self.max_tokens, "an integer >= 1", low=1)
         _require_int("top_k", self.top_k, "an integer (<= 0 disables it)")
         _require_int("first_position", self.first_position, "an integer >= 0", low=0)
+        if self.logprobs is not None:
+            _require_int("logprobs", self.logprobs, f"an integer in [0, {MAX_LOGPROBS}]", low=0, high=MAX_LOGPROBS)
         if self.seed is not None:
             _require_int("seed", self.seed, "an integer in [0, 2**63)", low=0, high=2**63 - 1)
         if not _is_number(self.temperature) or self.temperature < 0:

@@ -35,7 +35,7 @@ from kv_transfer.grpc_transport import GrpcStreamSender
 from kv_transfer.layout import KVLayout
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
-from protos.convert import sampling_from_proto
+from protos.convert import logprob_to_proto, sampling_from_proto
 from worker_base.config import WorkerConfig
 from worker_base.service import WorkerServiceBase
 
@@ -150,9 +150,11 @@ class PrefillService(WorkerServiceBase, pb_grpc.PrefillWorkerServicer):
                 await sender.flush(shipment.transfer_id)
             if shipment.error:
                 raise _LegFailed(f"KV transfer failed: {shipment.error}")
-            yield pb.PrefillServerMessage(done=pb.PrefillDone(
-                first_token=output.token_ids[0], num_prompt_tokens=len(ids),
-                prefill_worker_id=self.config.worker_id, num_cached_tokens=output.num_cached_tokens))
+            done = pb.PrefillDone(first_token=output.token_ids[0], num_prompt_tokens=len(ids),
+                                  prefill_worker_id=self.config.worker_id, num_cached_tokens=output.num_cached_tokens)
+            if output.outputs[0].logprobs:
+                done.first_logprob.CopyFrom(logprob_to_proto(output.outputs[0].logprobs[0]))
+            yield pb.PrefillServerMessage(done=done)
             self.kv_bytes_sent += self.layout.kv_bytes(len(ids) - start.num_cached_tokens)
             ack = await asyncio.wait_for(anext(aiter(request_iterator), None),
                                          timeout=self.config.kv_transfer_timeout_s)

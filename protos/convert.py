@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
 from protos import pdserve_pb2 as pb
 
@@ -21,6 +22,7 @@ def sampling_from_proto(message: pb.SamplingOptions) -> SamplingParams:
         stop_token_ids=tuple(int(t) for t in message.stop_token_ids),
         ignore_eos=bool(message.ignore_eos),
         first_position=int(message.first_position),
+        logprobs=int(message.logprobs) if message.HasField("logprobs") else None,
     )
 
 
@@ -32,5 +34,27 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingOptions:
     )
     if params.seed is not None:
         message.seed = params.seed
+    if params.logprobs is not None:
+        message.logprobs = params.logprobs
     return message
+
+
+def logprob_to_proto(logprob: TokenLogprob) -> pb.TokenLogprob:
+    ids, values = zip(*logprob.top, strict=True) if logprob.top else ((), ())
+    return pb.TokenLogprob(logprob=logprob.logprob, top_token_ids=ids, top_logprobs=values)
+
+
+def logprob_from_proto(token_id: int, message: pb.TokenLogprob, vocab_size: int | None,
+                       want: int) -> TokenLogprob:
+    """The TokenLogprob of `token_id` from the wire; ValueError unless it carries exactly
+    `want` alternatives, with ids in the vocabulary (`vocab_size=None`: any) and logprobs
+    that are <= 0 and not NaN."""
+    ids, values = list(message.top_token_ids), [float(v) for v in message.top_logprobs]
+    if len(ids) != want or len(values) != want:
+        raise ValueError(f"a token's logprobs carry {len(ids)} ids and {len(values)} values, expected {want}")
+    if vocab_size is not None and any(t >= vocab_size for t in ids):
+        raise ValueError(f"a top-logprob token id is outside the vocabulary of {vocab_size}")
+    if any(not v <= 0 for v in (message.logprob, *values)):  # also refuses NaN
+        raise ValueError("a logprob is positive or NaN")
+    return TokenLogprob(token_id, float(message.logprob), tuple(zip(ids, values, strict=True)))
 

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from engine import stats
+from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import apply_chat_template, encode_prompt
 from protos.security import Security
@@ -31,6 +32,7 @@ from router.auth import APIKeyMiddleware
 from router.cache_index import PromptKeys
 from router.errors import APIError, install_handlers, validation_message
 from router.generation import Generation, GenerationError
+from router.logprobs import chat_logprobs, completion_logprobs
 from router.metrics import RouterMetrics
 from router.policies import DEFAULT_POLICY, CacheAwareWeights, RouteRequest, decode_busy, make_policy
 from router.registry import WorkerRegistry
@@ -235,7 +237,8 @@ def _sampling(body, router: Router, num_prompt_tokens: int) -> SamplingParams:
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                               top_k=max(0, body.top_k), seed=body.seed, stop=tuple(body.stop_list()),
-                              stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos)
+                              stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
+                              logprobs=body.num_logprobs())
     except ValueError as exc:
         raise APIError(400, str(exc), str(exc).split(" ")[0]) from None
 
@@ -264,7 +267,7 @@ async def _serve(request: Request, router: Router, body, ids: list[int], chat: b
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     _begin(router)
     try:
-        text, token_ids = await _collect(request, generation)
+        text, token_ids, token_logprobs = await _collect(request, generation)
     finally:
         _done(router, generation)
     build = protocol.chat_response if chat else protocol.completion_response
@@ -272,18 +275,24 @@ async def _serve(request: Request, router: Router, body, ids: list[int], chat: b
                      generation.result.num_completion_tokens, generation.result.num_cached_tokens)
     if body.return_token_ids:
         response["choices"][0]["token_ids"] = token_ids
+    if params.logprobs is not None:
+        response["choices"][0]["logprobs"] = chat_logprobs(router.tokenizer, token_logprobs) if chat \
+            else completion_logprobs(router.tokenizer, token_logprobs, 0)[0]
     return JSONResponse(response)
 
 
-async def _collect(request: Request, generation: Generation) -> tuple[str, list[int]]:
-    """Run a non-streaming request; a client that disconnects aborts it."""
+async def _collect(request: Request, generation: Generation) -> tuple[str, list[int], list[TokenLogprob]]:
+    """Run a non-streaming request; a client that disconnects aborts it. Returns the text,
+    the token ids and (when the request asked) their logprobs."""
     parts: list[str] = []
     token_ids: list[int] = []
+    token_logprobs: list[TokenLogprob] = []
 
     async def run():
         async for delta in generation.deltas():
             parts.append(delta.text)
             token_ids.extend(delta.token_ids)
+            token_logprobs.extend(delta.logprobs or ())
 
     task = asyncio.ensure_future(run())
     client_gone = False
@@ -306,7 +315,7 @@ async def _collect(request: Request, generation: Generation) -> tuple[str, list[
         raise
     finally:
         task.cancel()  # no-op once done; stops the generation if this handler itself is cancelled
-    return "".join(parts), token_ids
+    return "".join(parts), token_ids, token_logprobs
 
 
 async def _sse(router: Router, generation: Generation, model: str, chat: bool, options: protocol.StreamOptions,
@@ -327,6 +336,7 @@ async def _sse(router: Router, generation: Generation, model: str, chat: bool, o
         return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
     _begin(router)  # counted from the first iteration: a stream never started holds nothing
+    text_offset = 0  # completions logprobs: where the next token starts in the completion's text
     try:
         if chat:
             yield event(protocol.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None))
@@ -339,6 +349,12 @@ async def _sse(router: Router, generation: Generation, model: str, chat: bool, o
                     chunk = protocol.completion_chunk(rid, model, created, delta.text, delta.finish_reason)
                 if return_token_ids:
                     chunk["choices"][0]["token_ids"] = delta.token_ids
+                if delta.logprobs is not None:
+                    if chat:
+                        chunk["choices"][0]["logprobs"] = chat_logprobs(router.tokenizer, delta.logprobs)
+                    else:
+                        chunk["choices"][0]["logprobs"], text_offset = completion_logprobs(
+                            router.tokenizer, delta.logprobs, text_offset)
                 yield event(chunk)
         except (GenerationError, APIError) as exc:
             status = getattr(exc, "status", 503)

@@ -26,9 +26,10 @@ from dataclasses import dataclass
 import grpc
 
 from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
 from protos import pdserve_pb2 as pb
-from protos.convert import sampling_to_proto
+from protos.convert import logprob_from_proto, sampling_to_proto
 from router.cache_index import PromptKeys
 from router.errors import APIError
 from router.policies import RouteRequest
@@ -49,6 +50,7 @@ class Delta:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked
 
 
 @dataclass
@@ -202,10 +204,10 @@ class Generation:
                     # the conversation so far stays cached on the decode worker (all but the
                     # last token, whose KV was never computed): its next turn will look for it
                     index.expect(decode.worker_id, PromptKeys(self.prompt_ids + self.output_ids))
-                    yield Delta(text, list(chunk.token_ids), finish)
+                    yield Delta(text, list(chunk.token_ids), finish, self._logprobs(chunk, decode))
                     return
                 if text or chunk.token_ids:
-                    yield Delta(text, list(chunk.token_ids))
+                    yield Delta(text, list(chunk.token_ids), None, self._logprobs(chunk, decode))
             raise self._failed(decode, "ended_early", "ended the stream without a finish reason", 502)
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
@@ -232,6 +234,20 @@ class Generation:
                 prefill[0].inflight_tokens -= len(prompt.token_ids)
             if not worker_done:
                 call.cancel()  # stop string, client gone or error: abort on the workers
+
+    def _logprobs(self, chunk: pb.GenerateChunk, decode) -> list[TokenLogprob] | None:
+        """The chunk's per-token logprobs, checked, when the request asked for them."""
+        want = self.params.logprobs
+        if want is None:
+            return None
+        if len(chunk.logprobs) != len(chunk.token_ids):
+            raise GenerationError(f"decode worker {decode.worker_id} sent {len(chunk.logprobs)} logprobs for "
+                                  f"{len(chunk.token_ids)} tokens", 502)
+        vocab = self.router.registry.model.vocab_size or None
+        try:
+            return [logprob_from_proto(t, m, vocab, want) for t, m in zip(chunk.token_ids, chunk.logprobs, strict=True)]
+        except ValueError as exc:
+            raise GenerationError(f"decode worker {decode.worker_id} sent bad logprobs: {exc}", 502) from None
 
     def _failed(self, decode, reason: str, what: str, status: int = 503) -> Exception:
         """A leg's failure: resumable once it has sent tokens, else the client's error."""

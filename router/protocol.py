@@ -8,6 +8,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
+from engine.sampling_params import MAX_LOGPROBS
+
 NonNegInt = Annotated[StrictInt, Field(ge=0)]
 
 
@@ -41,7 +43,6 @@ class _SamplingFields(BaseModel):
     user: str | None = None
     presence_penalty: StrictFloat = 0.0
     frequency_penalty: StrictFloat = 0.0
-    logprobs: StrictBool | StrictInt | None = None
     logit_bias: dict | None = None
     return_token_ids: StrictBool = Field(False, description="pdserve extension: add the generated token ids")
 
@@ -55,8 +56,6 @@ class _SamplingFields(BaseModel):
             return "n: only n=1 is supported"
         if self.presence_penalty or self.frequency_penalty:
             return "presence_penalty/frequency_penalty: penalties are not supported"
-        if self.logprobs:
-            return "logprobs: not supported"
         if self.logit_bias:
             return "logit_bias: not supported"
         if len(self.stop_list()) > 4 or any(not s for s in self.stop_list()):
@@ -67,12 +66,21 @@ class _SamplingFields(BaseModel):
     def requested_max_tokens(self) -> int:
         return self.max_tokens or self.max_completion_tokens or 16
 
+    def num_logprobs(self) -> int | None:
+        """How many alternatives to return with each token's logprob; None: no logprobs."""
+        return None
+
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]] = Field(
         description="text, token ids, or a list holding exactly one of those")
     echo: StrictBool = False
     suffix: str | None = None
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS,
+                                       description="each token's logprob and this many alternatives")
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class ContentPart(BaseModel):
@@ -107,7 +115,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: StrictBool | None = None
@@ -118,9 +127,12 @@ class ChatCompletionRequest(_SamplingFields):
             return "tools: tool calling is not supported yet; send the request without tools/tool_choice"
         if self.response_format and self.response_format.get("type") != "text":
             return "response_format: structured output is not supported yet; only {'type': 'text'}"
-        if self.top_logprobs:
-            return "top_logprobs: not supported"
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs: needs logprobs: true"
         return super().unsupported()
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def new_id(prefix: str) -> str:

@@ -106,11 +106,13 @@ def prefill_stub(address: str, security: Security = SECURITY) -> tuple[grpc.aio.
 
 def generate_request(request_id: str, ids: list[int], max_tokens: int, prefill: list[str],
                      transport: str = "torch", temperature: float = 0.0, seed: int | None = None,
-                     top_p: float = 1.0, top_k: int = 0) -> pb.GenerateRequest:
+                     top_p: float = 1.0, top_k: int = 0, logprobs: int | None = None) -> pb.GenerateRequest:
     sampling = pb.SamplingOptions(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                   top_k=top_k, ignore_eos=True)
     if seed is not None:
         sampling.seed = seed
+    if logprobs is not None:
+        sampling.logprobs = logprobs
     return pb.GenerateRequest(request_id=request_id, prompt_token_ids=ids, sampling=sampling,
                               prefill_addresses=prefill, kv_transport=transport)
 

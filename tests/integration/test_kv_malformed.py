@@ -1,7 +1,8 @@
 """A misbehaving prefill peer (a test double standing in for the prefill worker, to test the
 real decode worker's boundary): wrong layout, wrong byte counts, unknown transfer ids, a
-truncated stream, an oversized torch header. Each is rejected with a clear error, the
-request still completes (prefilled locally) with the right tokens, and nothing leaks."""
+truncated stream, an oversized torch header, a first token's logprob missing or malformed.
+Each is rejected with a clear error, the request still completes (prefilled locally) with
+the right tokens, and nothing leaks."""
 
 import asyncio
 
@@ -53,8 +54,12 @@ class MisbehavingPrefill(pb_grpc.PrefillWorkerServicer):
             header = torch.tensor([tid, 0, 0, 1, 10**12], dtype=torch.int64)
             await asyncio.to_thread(lambda: sender.group.send([header], 0, 0).wait())
         first_token = 4_000_000_000 if self.mode == "bad_first_token" else 7
-        yield pb.PrefillServerMessage(done=pb.PrefillDone(first_token=first_token, num_prompt_tokens=n,
-                                                          prefill_worker_id="fake"))
+        done = pb.PrefillDone(first_token=first_token, num_prompt_tokens=n, prefill_worker_id="fake")
+        if self.mode == "positive_logprob":  # a request asking for 2 alternatives
+            done.first_logprob.CopyFrom(pb.TokenLogprob(logprob=0.5, top_token_ids=[7, 8], top_logprobs=[-1, -2]))
+        elif self.mode == "short_top_logprobs":
+            done.first_logprob.CopyFrom(pb.TokenLogprob(logprob=-0.5, top_token_ids=[7], top_logprobs=[-0.5]))
+        yield pb.PrefillServerMessage(done=done)
         await anext(aiter(request_iterator), None)
 
 
@@ -81,6 +86,9 @@ def expected(tiny_llama_dir):
         ("truncated", "grpc", "closed the stream before finishing"),
         ("oversized_torch", "torch", "KV connection to prefill worker lost"),
         ("bad_first_token", "grpc", "sent first token 4000000000, outside the vocabulary"),
+        ("missing_logprob", "grpc", "sent no logprob for the first token of a request that asked"),
+        ("positive_logprob", "grpc", "sent bad logprobs: a logprob is positive or NaN"),
+        ("short_top_logprobs", "grpc", "sent bad logprobs: a token's logprobs carry 1 ids and 1 values, expected 2"),
     ],
 )
 def test_malformed_kv_is_rejected_and_the_request_still_completes(decode, expected, mode, transport, logged):
@@ -93,8 +101,9 @@ def test_malformed_kv_is_rejected_and_the_request_still_completes(decode, expect
             port = server.add_insecure_port("127.0.0.1:0")
             await server.start()
             try:
+                asks = 2 if mode.endswith("logprob") or mode.endswith("logprobs") else None
                 result = await collect(d_stub, generate_request(
-                    f"bad-{mode}", PROMPT, 6, [f"127.0.0.1:{port}"], transport))
+                    f"bad-{mode}", PROMPT, 6, [f"127.0.0.1:{port}"], transport, logprobs=asks))
                 stats = await wait_idle(d_stub)
             finally:
                 await server.stop(0)

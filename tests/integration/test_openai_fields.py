@@ -67,7 +67,6 @@ def test_a_part_that_is_not_text_is_a_400_naming_it(served, content, message):
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
     ({"tool_choice": "required"}, "tools"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"top_logprobs": 2}, "top_logprobs"),
 ])
 def test_unsupported_chat_features_are_a_clear_400(served, fields, param):
     status, out = _greedy_chat(served["url"], "Hi", **fields)

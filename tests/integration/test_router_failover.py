@@ -22,9 +22,10 @@ PROMPT = list(range(7, 47))
 MAX_TOKENS = 600
 
 
-async def _stream_ids(url: str, body: dict, after: int | None = None, on_tokens=None):
+async def _stream_ids(url: str, body: dict, after: int | None = None, on_tokens=None, logprobs: list | None = None):
     """Stream a completion with token ids; once `after` tokens arrived, await `on_tokens()`.
-    Returns (token ids, finish reasons seen, usage, error events, saw [DONE])."""
+    Returns (token ids, finish reasons seen, usage, error events, saw [DONE]); each chunk's
+    (token_logprobs, top_logprobs) pairs are appended to `logprobs` if given."""
     import json
 
     ids, finishes, usage, errors, done = [], [], None, [], False
@@ -47,6 +48,9 @@ async def _stream_ids(url: str, body: dict, after: int | None = None, on_tokens=
             else:
                 choice = event["choices"][0]
                 ids.extend(choice.get("token_ids") or [])
+                if logprobs is not None and choice.get("logprobs"):
+                    logprobs.extend(zip(choice["logprobs"]["token_logprobs"], choice["logprobs"]["top_logprobs"],
+                                        strict=True))
                 if choice.get("finish_reason"):
                     finishes.append(choice["finish_reason"])
             if on_tokens is not None and after is not None and len(ids) >= after:
@@ -67,12 +71,14 @@ async def _serving(decode_workers) -> WorkerProcess:
 
 @pytest.fixture(scope="module")
 def killable(tiny_llama_dir):
-    """A bare router over one prefill and three decode workers; each test kills one."""
+    """A bare router over one prefill and four decode workers; each test kills one (three
+    tests: one survivor is left for the last test's resumed stream)."""
     model = str(tiny_llama_dir)
     with WorkerProcess("prefill", model) as p, WorkerProcess("decode", model) as d1, \
             WorkerProcess("decode", model) as d2, WorkerProcess("decode", model) as d3, \
-            RouterProcess(model, [p.address], [d1.address, d2.address, d3.address]) as r:
-        yield r, [d1, d2, d3]
+            WorkerProcess("decode", model) as d4, \
+            RouterProcess(model, [p.address], [d.address for d in (d1, d2, d3, d4)]) as r:
+        yield r, [d1, d2, d3, d4]
 
 
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "top_p": 0.95, "seed": 1234}],
@@ -98,6 +104,29 @@ def test_a_decode_worker_killed_mid_stream_is_resumed_token_exact(killable, samp
     for survivor in [d for d in decode if d.proc.poll() is None]:
         idle = asyncio.run(wait_idle_at(survivor.address, "decode"))
         assert idle.num_free_blocks == idle.num_total_blocks
+
+
+def test_a_resumed_stream_carries_the_unbroken_runs_logprobs(killable):
+    """Logprobs across a migration: the tokens before the kill come from the first decode
+    worker, the rest from the one it resumed on; all equal an unbroken run's."""
+    router, decode = killable
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 120, "ignore_eos": True, "temperature": 0.9,
+            "top_p": 0.9, "seed": 77, "logprobs": 2}
+    reference_logprobs, logprobs = [], []
+    reference, *_ = asyncio.run(_stream_ids(router.url, body, logprobs=reference_logprobs))
+    migrations_before = metric(router.url, 'pdserve_migrations_total{reason="unavailable"}')
+
+    async def kill_the_serving_worker():
+        (await _serving(decode)).kill()
+
+    ids, finishes, _, errors, done = asyncio.run(_stream_ids(router.url, body, 20, kill_the_serving_worker,
+                                                             logprobs=logprobs))
+    assert not errors and done and finishes == ["length"], (errors, finishes)
+    assert metric(router.url, 'pdserve_migrations_total{reason="unavailable"}') == migrations_before + 1
+    assert ids == reference and len(logprobs) == len(reference_logprobs) == 120
+    for (value, top), (expected, expected_top) in zip(logprobs, reference_logprobs, strict=True):
+        assert abs(value - expected) < 1e-5 and top.keys() == expected_top.keys()
+        assert all(abs(top[k] - expected_top[k]) < 1e-5 for k in top)
 
 
 @pytest.fixture(scope="module")

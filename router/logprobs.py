@@ -1,0 +1,46 @@
+"""Log-probabilities in OpenAI's response shapes (engine.outputs.TokenLogprob in, JSON out).
+
+Chat (`logprobs: true`, `top_logprobs: k`): `{"content": [{"token", "logprob", "bytes",
+"top_logprobs": [{"token", "logprob", "bytes"}, ...]}, ...], "refusal": null}`.
+Completions (`logprobs: k`): `{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}],
+"text_offset"}`. A token's string is its own decoding; a logprob of -inf (a token that top-k
+or top-p excluded) is written as -9999.0, as vLLM writes it, since JSON has no infinity.
+"""
+
+from __future__ import annotations
+
+import math
+
+from engine.outputs import TokenLogprob
+
+_FLOOR = -9999.0
+
+
+def _finite(value: float) -> float:
+    return value if math.isfinite(value) else _FLOOR
+
+
+def _token(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
+
+
+def chat_logprobs(tokenizer, logprobs: list[TokenLogprob]) -> dict:
+    def entry(token_id: int, logprob: float) -> dict:
+        text = _token(tokenizer, token_id)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                        for lp in logprobs], "refusal": None}
+
+
+def completion_logprobs(tokenizer, logprobs: list[TokenLogprob], text_offset: int) -> tuple[dict, int]:
+    """The completions shape for `logprobs`, whose first token starts at `text_offset` of
+    the completion's text; returns it and the offset after the last token."""
+    tokens, offsets = [], []
+    for lp in logprobs:
+        offsets.append(text_offset)
+        tokens.append(_token(tokenizer, lp.token_id))
+        text_offset += len(tokens[-1])
+    top = [{_token(tokenizer, t): _finite(v) for t, v in lp.top} for lp in logprobs]
+    return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in logprobs], "top_logprobs": top,
+            "text_offset": offsets}, text_offset
