@@ -113,6 +113,11 @@ class LLMEngine:
         bad_stop = [t for t in params.stop_token_ids if t >= vocab]
         if bad_stop:
             raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {bad_stop}")
+        bad_bias = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad_bias:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {bad_bias}")
+        if params.first_position > len(ids):
+            raise ValueError(f"first_position {params.first_position} exceeds the prompt's {len(ids)} tokens")
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         return Request(request_id, ids, params, seed, self.loaded.eos_token_ids)
 

@@ -81,3 +81,18 @@ class Request:
         if len(self.output_token_ids) >= params.max_tokens or self.num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+
+@dataclass(frozen=True)
+class TokenHistory:
+    """What a request has seen: its prompt and outputs (read, not copied, during a step)."""
+
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    num_generated_in_prompt: int  # the resumed request's first_position: generated before, now prompt
+    eos_token_ids: frozenset[int]
+
+    def generated(self) -> list[int]:
+        tail = self.prompt_token_ids[len(self.prompt_token_ids) - self.num_generated_in_prompt:] \
+            if self.num_generated_in_prompt else []
+        return tail + self.output_token_ids

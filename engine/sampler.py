@@ -9,8 +9,9 @@ tokens never depend on its batch, on chunking, on preemption, or on which worker
 when two perturbed scores tie, while it moves a CDF lookup whenever the distribution is
 flat.) The noise is drawn on the CPU so CPU and CUDA workers agree.
 
+Requests may adjust their logits first (penalties, logit_bias, min_tokens: `engine.logits`).
 Log-probabilities, for requests that ask (`SamplingParams.logprobs`), are of the
-distribution the token was drawn from: the model's log-softmax for greedy requests, and
+distribution the token was drawn from: the (adjusted) log-softmax for greedy requests, and
 after temperature, top-k and top-p for sampled ones (a token the filters exclude has
 logprob -inf). They are computed from the same logits as the token, so they share its
 batch invariance.
@@ -20,7 +21,9 @@ from __future__ import annotations
 
 import torch
 
+from engine.logits import adjust_logits
 from engine.outputs import TokenLogprob
+from engine.request import TokenHistory
 from engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -45,15 +48,24 @@ def gumbel_noise(seed: int, position: int, vocab_size: int) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
-           positions: list[int]) -> list[int]:
-    """Pick one token per row of `logits` `[rows, vocab]` (fp32)."""
-    return sample_with_logprobs(logits, params, seeds, positions)[0]
+           positions: list[int], histories: list[TokenHistory | None] | None = None) -> list[int]:
+    """Pick one token per row of `logits` `[rows, vocab]` (fp32). `histories[i]` is row i's
+    request's tokens, needed (only) where its params adjust logits (`engine.logits`)."""
+    return sample_with_logprobs(logits, params, seeds, positions, histories)[0]
 
 
 def sample_with_logprobs(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
-                         positions: list[int]) -> tuple[list[int], list[TokenLogprob | None]]:
+                         positions: list[int], histories: list[TokenHistory | None] | None = None,
+                         ) -> tuple[list[int], list[TokenLogprob | None]]:
     """Tokens as `sample`, and for each row whose request asked for logprobs its
     `TokenLogprob` (None for the others; nothing is computed when no row asked)."""
+    adjusted = [i for i, p in enumerate(params) if p.adjusts_logits]
+    if adjusted:
+        if histories is None or any(histories[i] is None for i in adjusted):
+            raise ValueError("rows whose params adjust logits need their token histories")
+        logits = logits.clone()
+        for i in adjusted:
+            logits[i] = adjust_logits(logits[i], params[i], histories[i])
     tokens = logits.max(dim=-1).indices  # the first maximum, as argmax; ~2x faster on CPU
     rows = [i for i, p in enumerate(params) if not p.greedy]
     processed = None

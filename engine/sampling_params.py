@@ -19,6 +19,15 @@ class SamplingParams:
     that it continues with exactly the tokens an unbroken run would have sampled.
     `logprobs=None` returns no log-probabilities; `logprobs=k` (0..MAX_LOGPROBS) returns each
     sampled token's and the k most likely tokens' (`engine.outputs.TokenLogprob`).
+
+    Logit adjustments (`engine.logits`), applied before temperature, top-k and top-p, and
+    functions of the request's own tokens only: `presence_penalty` and `frequency_penalty`
+    (OpenAI's, in [-2, 2]) subtract `presence * (count > 0) + frequency * count` over the
+    tokens generated so far; `repetition_penalty` (> 0; 1 disables; HF's and vLLM's) divides
+    positive logits and multiplies negative ones of every token in the prompt or output;
+    `logit_bias` adds a bias in [-100, 100] to the listed token ids; `min_tokens` forbids EOS
+    and `stop_token_ids` until that many tokens were generated (counted from the request's
+    start, as `first_position` is).
     """
 
     max_tokens: int = 16
@@ -32,6 +41,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     first_position: int = 0
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # or a dict {token id: bias}
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -53,6 +67,28 @@ class SamplingParams:
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         for token_id in self.stop_token_ids:
             _require_int("stop_token_ids", token_id, "non-negative integers", low=0)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 100:
+            raise ValueError(f"repetition_penalty must be a number in (0, 100] (1 disables it), "
+                             f"got {self.repetition_penalty!r}")
+        # counted from the request's start, like first_position (a resumed leg's max_tokens is what remains)
+        _require_int("min_tokens", self.min_tokens, f"an integer in [0, max_tokens={self.max_tokens}]",
+                     low=0, high=self.first_position + self.max_tokens)
+        pairs = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias or ()
+        for token_id, value in pairs:
+            _require_int("logit_bias", token_id, "keyed by non-negative token ids", low=0)
+            if not _is_number(value) or not -100 <= value <= 100:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for {token_id}")
+        object.__setattr__(self, "logit_bias", tuple(sorted((t, float(v)) for t, v in pairs)))
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether any logit adjustment (penalties, bias, min_tokens) is on."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias or self.min_tokens)
 
     @property
     def greedy(self) -> bool:

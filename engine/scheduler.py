@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
-from engine.request import Request, RequestStatus
+from engine.request import Request, RequestStatus, TokenHistory
 from engine.sampling_params import SamplingParams
 
 
@@ -43,6 +43,7 @@ class ScheduledChunk:
     output_index: int  # the output position of the token sampled (if `sample`)
     seed: int
     sampling_params: SamplingParams
+    history: TokenHistory | None = None  # when `sample` and the params adjust logits
 
 
 @dataclass
@@ -210,4 +211,7 @@ class Scheduler:
             output_index=request.sampling_params.first_position + len(request.output_token_ids),
             seed=request.seed,
             sampling_params=request.sampling_params,
+            history=TokenHistory(request.prompt_token_ids, request.output_token_ids,
+                                 request.sampling_params.first_position, request.eos_token_ids)
+            if request.sampling_params.adjusts_logits else None,
         )

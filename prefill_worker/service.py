@@ -209,8 +209,11 @@ class PrefillService(WorkerServiceBase, pb_grpc.PrefillWorkerServicer):
         if start.num_cached_tokens >= len(ids) or start.num_cached_tokens % self.layout.block_size:
             raise ValueError(f"num_cached_tokens {start.num_cached_tokens} must be whole blocks of "
                              f"{self.layout.block_size} short of the prompt's {len(ids)} tokens")
-        params = dataclasses.replace(sampling_from_proto(start.sampling), max_tokens=1, seed=start.seed,
-                                     stop_token_ids=(), ignore_eos=True)
+        # the first token only; EOS and stop ids stay as sent (a min_tokens request must not
+        # sample them first), min_tokens capped to what one token can need
+        params = sampling_from_proto(start.sampling)
+        params = dataclasses.replace(params, max_tokens=1, seed=start.seed,
+                                     min_tokens=min(params.min_tokens, params.first_position + 1))
         transport = check_transport_name(start.kv_transport or "torch")
         if transport == "torch" and not start.kv_endpoint:
             raise ValueError("kv_endpoint is required for the torch transport")

@@ -10,8 +10,9 @@ from protos import pdserve_pb2 as pb
 def sampling_from_proto(message: pb.SamplingOptions) -> SamplingParams:
     """SamplingParams from the wire; raises ValueError naming a bad field.
 
-    proto3 cannot tell an unset float from 0: `top_p == 0` means unset (1.0). `max_tokens`
-    and `temperature` are taken as sent (0 max_tokens is an error, 0 temperature greedy).
+    proto3 cannot tell an unset float from 0: `top_p == 0` and `repetition_penalty == 0`
+    mean unset (1.0). `max_tokens` and `temperature` are taken as sent (0 max_tokens is an
+    error, 0 temperature greedy).
     """
     return SamplingParams(
         max_tokens=int(message.max_tokens),
@@ -23,6 +24,11 @@ def sampling_from_proto(message: pb.SamplingOptions) -> SamplingParams:
         ignore_eos=bool(message.ignore_eos),
         first_position=int(message.first_position),
         logprobs=int(message.logprobs) if message.HasField("logprobs") else None,
+        presence_penalty=float(message.presence_penalty),
+        frequency_penalty=float(message.frequency_penalty),
+        repetition_penalty=float(message.repetition_penalty) if message.repetition_penalty != 0 else 1.0,
+        min_tokens=int(message.min_tokens),
+        logit_bias={int(t): float(b) for t, b in message.logit_bias.items()},
     )
 
 
@@ -30,7 +36,9 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingOptions:
     message = pb.SamplingOptions(
         max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
         top_k=params.top_k, stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
-        first_position=params.first_position,
+        first_position=params.first_position, presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
+        min_tokens=params.min_tokens, logit_bias=dict(params.logit_bias),
     )
     if params.seed is not None:
         message.seed = params.seed

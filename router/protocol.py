@@ -41,9 +41,11 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     n: StrictInt = 1
     user: str | None = None
-    presence_penalty: StrictFloat = 0.0
-    frequency_penalty: StrictFloat = 0.0
-    logit_bias: dict | None = None
+    presence_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: StrictFloat = Field(default=1.0, gt=0.0, le=100.0, description="vLLM's; 1 disables")
+    min_tokens: NonNegInt = Field(default=0, description="vLLM's: no EOS or stop token before this many")
+    logit_bias: dict[str, StrictFloat] | None = Field(default=None, description="token id (a string) -> bias")
     return_token_ids: StrictBool = Field(False, description="pdserve extension: add the generated token ids")
 
     def stop_list(self) -> list[str]:
@@ -54,10 +56,6 @@ class _SamplingFields(BaseModel):
         """A message naming a field whose value pdserve does not implement, or None."""
         if self.n != 1:
             return "n: only n=1 is supported"
-        if self.presence_penalty or self.frequency_penalty:
-            return "presence_penalty/frequency_penalty: penalties are not supported"
-        if self.logit_bias:
-            return "logit_bias: not supported"
         if len(self.stop_list()) > 4 or any(not s for s in self.stop_list()):
             return "stop: at most 4 non-empty strings"
         return None
@@ -69,6 +67,17 @@ class _SamplingFields(BaseModel):
     def num_logprobs(self) -> int | None:
         """How many alternatives to return with each token's logprob; None: no logprobs."""
         return None
+
+    def logit_bias_ids(self, vocab_size: int | None) -> dict[int, float]:
+        """`logit_bias` keyed by token id; ValueError naming a key that is not one."""
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit() or (vocab_size and int(key) >= vocab_size):
+                raise ValueError(f"logit_bias: keys must be token ids in [0, {vocab_size}), got {key!r}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"logit_bias: values must be in [-100, 100], got {value} for {key}")
+            bias[int(key)] = value
+        return bias
 
 
 class CompletionRequest(_SamplingFields):

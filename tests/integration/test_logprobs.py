@@ -176,6 +176,54 @@ def test_chat_logprobs_on_every_path(served, offline, stream):
         assert all(_close(t.logprob, v) for t, (_, v) in zip(entry.top_logprobs, lp.top, strict=True))
 
 
+ADJUSTED = {"presence_penalty": 0.4, "frequency_penalty": 0.8, "repetition_penalty": 1.2, "min_tokens": 3}
+
+
+@pytest.mark.parametrize("sampling", sorted(SAMPLINGS))
+def test_penalties_and_bias_on_every_path(served, offline, sampling):
+    """The logit adjustments reach whichever worker samples (the prefill worker samples the
+    first token on the remote paths): tokens and logprobs equal the offline engine's."""
+    bias = {"9": 12.0, "12": -100.0}
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 10, "logprobs": 0, "return_token_ids": True,
+            "logit_bias": bias, **ADJUSTED, **SAMPLINGS[sampling]}
+    status, out, _ = post(served["url"] + "/v1/completions", body)
+    assert status == 200, out
+    params = SamplingParams(max_tokens=10, logprobs=0, logit_bias={int(k): v for k, v in bias.items()},
+                            **ADJUSTED, **SAMPLINGS[sampling])
+    [reference] = offline.generate([PROMPT], params)
+    choice = out["choices"][0]
+    assert choice["token_ids"] == reference.token_ids and 12 not in choice["token_ids"]
+    served_values = choice["logprobs"]["token_logprobs"]
+    assert all(_close(v, lp.logprob) for v, lp in zip(served_values, reference.outputs[0].logprobs, strict=True))
+    plain = offline.generate([PROMPT], SamplingParams(max_tokens=10, **SAMPLINGS[sampling]))[0].token_ids
+    assert plain != reference.token_ids, "the adjustments changed the output"
+
+
+def test_min_tokens_on_every_path(served, offline):
+    """EOS, biased to be the argmax, is held back for min_tokens tokens, the first of which
+    the prefill worker samples on the remote paths."""
+    eos = min(offline.engine.loaded.eos_token_ids)
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 20, "temperature": 0.0, "return_token_ids": True,
+            "logit_bias": {str(eos): 100.0}, "min_tokens": 4}
+    status, out, _ = post(served["url"] + "/v1/completions", body)
+    assert status == 200, out
+    ids = out["choices"][0]["token_ids"]
+    assert len(ids) == 5 and eos not in ids[:4] and ids[4] == eos and out["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize(("fields", "status", "param", "message"), [
+    ({"logit_bias": {"abc": 1.0}}, 400, "logit_bias", "keys must be token ids in [0, 49152), got 'abc'"),
+    ({"logit_bias": {"49152": 1.0}}, 400, "logit_bias", "keys must be token ids in [0, 49152), got '49152'"),
+    ({"logit_bias": {"5": 101.0}}, 400, "logit_bias", "values must be in [-100, 100]"),
+    ({"min_tokens": 9, "max_tokens": 4}, 400, "min_tokens", "min_tokens (9) exceeds max_tokens (4)"),
+    ({"presence_penalty": 2.5}, 422, "presence_penalty", "presence_penalty"),
+    ({"repetition_penalty": 0.0}, 422, "repetition_penalty", "repetition_penalty"),
+])
+def test_bad_adjustments_name_the_field(served, fields, status, param, message):
+    got, out, _ = post(served["url"] + "/v1/completions", {"model": "tiny", "prompt": [5, 6], **fields})
+    assert got == status and out["error"]["param"] == param and message in out["error"]["message"], out
+
+
 def test_the_openai_client_reads_chat_logprobs(served):
     from openai import OpenAI
 
@@ -210,6 +258,6 @@ def test_every_request_took_its_path(served):
     stats = asyncio.run(stats_of(served["decode"].address, "decode"))
     decisions = dict(stats.prefill_decisions)
     where = "local" if served["path"] == "local" else "remote"
-    assert stats.num_failed_transfers == 0, decisions
-    served_here = 4 + 2 + 1  # the completions, chat and openai-client tests' requests on this path
+    assert stats.num_failed_transfers == 0, (decisions, served["decode"].log()[-3000:])
+    served_here = 4 + 2 + 2 + 1 + 1  # the completions, chat, penalties, min_tokens, openai-client tests' requests
     assert sum(decisions.values()) == served_here and all(k.startswith(where + "/") for k in decisions), decisions

@@ -106,12 +106,14 @@ def test_a_decode_worker_killed_mid_stream_is_resumed_token_exact(killable, samp
         assert idle.num_free_blocks == idle.num_total_blocks
 
 
-def test_a_resumed_stream_carries_the_unbroken_runs_logprobs(killable):
-    """Logprobs across a migration: the tokens before the kill come from the first decode
-    worker, the rest from the one it resumed on; all equal an unbroken run's."""
+def test_a_resumed_stream_carries_the_unbroken_runs_logprobs_and_penalties(killable):
+    """Logprobs and penalties across a migration: the tokens before the kill come from the
+    first decode worker, the rest from the one it resumed on, whose penalties count the
+    tokens the first one generated; all equal an unbroken run's."""
     router, decode = killable
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 120, "ignore_eos": True, "temperature": 0.9,
-            "top_p": 0.9, "seed": 77, "logprobs": 2}
+            "top_p": 0.9, "seed": 77, "logprobs": 2, "frequency_penalty": 0.6, "presence_penalty": 0.3,
+            "repetition_penalty": 1.1}
     reference_logprobs, logprobs = [], []
     reference, *_ = asyncio.run(_stream_ids(router.url, body, logprobs=reference_logprobs))
     migrations_before = metric(router.url, 'pdserve_migrations_total{reason="unavailable"}')
