@@ -10,8 +10,10 @@ OpenAI error object naming the field; none of them changes any state.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
+import random
 import time
 from collections import deque
 from contextlib import asynccontextmanager
@@ -22,23 +24,22 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from engine import stats
-from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import apply_chat_template, encode_prompt
 from protos.security import Security
-from router import protocol
+from router import protocol, responses
 from router.admin import install_admin
 from router.auth import APIKeyMiddleware
 from router.cache_index import PromptKeys
 from router.errors import APIError, install_handlers, validation_message
-from router.generation import Generation, GenerationError
-from router.logprobs import chat_logprobs, completion_logprobs
+from router.generation import Generation
 from router.metrics import RouterMetrics
 from router.policies import DEFAULT_POLICY, CacheAwareWeights, RouteRequest, decode_busy, make_policy
 from router.registry import WorkerRegistry
 from router.tokenize import install_tokenize
 
 logger = logging.getLogger("router")
+_CHOICE_SEEDS = random.SystemRandom()  # base seeds of n > 1 requests that brought none
 
 
 @dataclass(frozen=True)
@@ -264,133 +265,31 @@ async def _serve(request: Request, router: Router, body, ids: list[int], chat: b
                             f"{router.config.max_inflight_requests}); retry later", headers={"Retry-After": "1"})
     prompt = PromptKeys(ids)
     route = router.route_request(prompt, body.user)
-    decode = router.pick_decode(route)  # 503 now, before a stream starts, if there is no decode worker
     rid = protocol.new_id("chatcmpl" if chat else "cmpl")
-    decode.note_routed(rid)
-    generation = Generation(router, rid, prompt, params, route, decode)
+    generations = []
+    for index, choice_params in enumerate(_choice_params(params, body.n)):
+        decode = router.pick_decode(route)  # 503 now, before a stream starts, if there is no decode worker
+        worker_rid = rid if index == 0 else f"{rid}-{index}"
+        decode.note_routed(worker_rid)
+        generations.append(Generation(router, worker_rid, prompt, choice_params, route, decode))
     if body.stream:
         options = body.stream_options or protocol.StreamOptions()
-        stream = _sse(router, generation, body.model, chat, options, body.return_token_ids)
+        stream = responses.sse(router, rid, generations, body.model, chat, options, body.return_token_ids)
         return StreamingResponse(stream, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    _begin(router)
+    responses.begin(router)
     try:
-        text, token_ids, token_logprobs = await _collect(request, generation)
+        collected = await responses.collect(request, generations)
     finally:
-        _done(router, generation)
-    build = protocol.chat_response if chat else protocol.completion_response
-    response = build(rid, body.model, text, generation.result.finish_reason, len(ids),
-                     generation.result.num_completion_tokens, generation.result.num_cached_tokens)
-    if body.return_token_ids:
-        response["choices"][0]["token_ids"] = token_ids
-    if params.logprobs is not None:
-        response["choices"][0]["logprobs"] = chat_logprobs(router.tokenizer, token_logprobs) if chat \
-            else completion_logprobs(router.tokenizer, token_logprobs, 0)[0]
-    return JSONResponse(response)
+        responses.end(router, generations)
+    return JSONResponse(responses.json_body(router, rid, body.model, chat, generations, collected,
+                                            body.return_token_ids))
 
 
-async def _collect(request: Request, generation: Generation) -> tuple[str, list[int], list[TokenLogprob]]:
-    """Run a non-streaming request; a client that disconnects aborts it. Returns the text,
-    the token ids and (when the request asked) their logprobs."""
-    parts: list[str] = []
-    token_ids: list[int] = []
-    token_logprobs: list[TokenLogprob] = []
-
-    async def run():
-        async for delta in generation.deltas():
-            parts.append(delta.text)
-            token_ids.extend(delta.token_ids)
-            token_logprobs.extend(delta.logprobs or ())
-
-    task = asyncio.ensure_future(run())
-    client_gone = False
-    try:
-        while not task.done():
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if not done and await request.is_disconnected():
-                client_gone = True
-                task.cancel()
-        await task
-    except GenerationError as exc:
-        retry = {"Retry-After": "1"} if exc.status in (429, 503) else None
-        raise APIError(exc.status, str(exc), headers=retry) from None
-    except asyncio.CancelledError:
-        generation.result.finish_reason = "abort"
-        if client_gone and not asyncio.current_task().cancelling():
-            # we cancelled it: end the request normally (the answer goes nowhere) rather than
-            # letting CancelledError escape into the ASGI server as an unhandled exception
-            raise APIError(499, "client closed the request") from None
-        raise
-    finally:
-        task.cancel()  # no-op once done; stops the generation if this handler itself is cancelled
-    return "".join(parts), token_ids, token_logprobs
-
-
-async def _sse(router: Router, generation: Generation, model: str, chat: bool, options: protocol.StreamOptions,
-               return_token_ids: bool):
-    """The SSE stream of a request: chunks, then (with `include_usage`) a usage chunk, then
-    `[DONE]`; with `continuous_usage_stats` too, every chunk carries the usage so far."""
-    rid, created = generation.request_id, int(time.time())
-    kind = "chat.completion.chunk" if chat else "text_completion"
-    continuous = options.include_usage and options.continuous_usage_stats
-
-    def current_usage() -> dict:
-        result = generation.result
-        return protocol.usage(len(generation.prompt_ids), result.num_completion_tokens, result.num_cached_tokens)
-
-    def event(payload: dict) -> bytes:
-        if continuous and payload.get("choices"):
-            payload["usage"] = current_usage()
-        return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
-
-    _begin(router)  # counted from the first iteration: a stream never started holds nothing
-    text_offset = 0  # completions logprobs: where the next token starts in the completion's text
-    try:
-        if chat:
-            yield event(protocol.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None))
-        try:
-            async for delta in generation.deltas():
-                if chat:
-                    content = {"content": delta.text} if delta.text else {}
-                    chunk = protocol.chat_chunk(rid, model, created, content, delta.finish_reason)
-                else:
-                    chunk = protocol.completion_chunk(rid, model, created, delta.text, delta.finish_reason)
-                if return_token_ids:
-                    chunk["choices"][0]["token_ids"] = delta.token_ids
-                if delta.logprobs is not None:
-                    if chat:
-                        chunk["choices"][0]["logprobs"] = chat_logprobs(router.tokenizer, delta.logprobs)
-                    else:
-                        chunk["choices"][0]["logprobs"], text_offset = completion_logprobs(
-                            router.tokenizer, delta.logprobs, text_offset)
-                yield event(chunk)
-        except (GenerationError, APIError) as exc:
-            status = getattr(exc, "status", 503)
-            generation.result.finish_reason = "error"
-            yield event({"error": {"message": str(exc), "type": "server_error", "code": status}})
-            yield b"data: [DONE]\n\n"
-            return
-        if options.include_usage:
-            yield event(protocol.usage_chunk(rid, model, created, kind, current_usage()))
-        yield b"data: [DONE]\n\n"
-    finally:
-        if generation.result.finish_reason is None:
-            generation.result.finish_reason = "abort"  # the client went away mid-stream
-        _done(router, generation)
-
-
-def _begin(router: Router) -> None:
-    router.inflight += 1
-    router.metrics.inflight.inc()
-
-
-def _done(router: Router, generation: Generation) -> None:
-    router.inflight -= 1
-    router.metrics.inflight.dec()
-    end = time.perf_counter()
-    router.metrics.observe(generation, end)
-    result = generation.result
-    if result.finish_reason in ("stop", "length") and result.first_token_at is not None:
-        router.finished.append((time.monotonic(), len(generation.prompt_ids), result.num_completion_tokens,
-                                result.first_token_at - generation.started, result.tpot_s(end),
-                                result.num_cached_tokens))
+def _choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """Each of `n` choices' params: seeds seed, seed+1, ... (a drawn seed when the request
+    brought none; one choice keeps the request's, resolved by its Generation)."""
+    if n == 1:
+        return [params]
+    base = params.seed if params.seed is not None else _CHOICE_SEEDS.getrandbits(63)
+    return [dataclasses.replace(params, seed=(base + i) % (1 << 63)) for i in range(n)]

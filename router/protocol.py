@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import uuid
 from typing import Annotated, Literal
 
@@ -11,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from engine.sampling_params import MAX_LOGPROBS
 
 NonNegInt = Annotated[StrictInt, Field(ge=0)]
+MAX_CHOICES = 16  # most choices (`n`) in one request
 
 
 class StreamOptions(BaseModel):
@@ -39,7 +39,7 @@ class _SamplingFields(BaseModel):
     ignore_eos: StrictBool = False
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: StrictInt = 1
+    n: StrictInt = Field(default=1, ge=1, le=MAX_CHOICES, description="choices, with seeds seed, seed+1, ...")
     user: str | None = None
     presence_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0)
@@ -54,8 +54,6 @@ class _SamplingFields(BaseModel):
 
     def unsupported(self) -> str | None:
         """A message naming a field whose value pdserve does not implement, or None."""
-        if self.n != 1:
-            return "n: only n=1 is supported"
         if len(self.stop_list()) > 4 or any(not s for s in self.stop_list()):
             return "stop: at most 4 non-empty strings"
         return None
@@ -153,21 +151,6 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-
-
-def completion_response(rid: str, model: str, text: str, finish: str, prompt_tokens: int,
-                        completion_tokens: int, cached_tokens: int = 0) -> dict:
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
-            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
-
-
-def chat_response(rid: str, model: str, text: str, finish: str, prompt_tokens: int,
-                  completion_tokens: int, cached_tokens: int = 0) -> dict:
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, "finish_reason": finish}],
-            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str, finish: str | None) -> dict:

@@ -152,7 +152,8 @@ BAD_INPUTS = [
     ({"model": "tiny", "prompt": ""}, 400, "prompt must not be empty"),
     ({"model": "tiny", "prompt": [1, 99999999]}, 400, "token ids must be integers in [0, 49152)"),
     ({"model": "tiny", "prompt": list(range(3, 1100))}, 400, "maximum context length is 1024"),
-    ({"model": "tiny", "prompt": "x", "n": 2}, 400, "only n=1"),
+    ({"model": "tiny", "prompt": "x", "n": 17}, 422, "n: Input should be less than or equal to 16"),
+    ({"model": "tiny", "prompt": "x", "n": 0}, 422, "n: Input should be greater than or equal to 1"),
     ({"model": "gpt-4", "prompt": "x"}, 404, "does not exist"),
     ({"model": "tiny", "messages": []}, 422, "messages"),
 ]
@@ -215,9 +216,11 @@ def _answer(url: str, body, chat: bool) -> tuple[int, dict]:
         assert not [e for e in out["events"] if "error" in e], out
         assert {e["object"] for e in out["events"]} == {kind + ".chunk" if chat else kind}
         finishes = [c["finish_reason"] for e in out["events"] for c in e["choices"] if c["finish_reason"]]
-        assert len(finishes) == 1 and finishes[0] in ("stop", "length"), out
+        n = body.get("n", 1)  # a valid body's n: one finish per choice
+        assert len(finishes) == n and set(finishes) <= {"stop", "length"}, out
     else:
-        assert out["object"] == kind and out["choices"][0]["finish_reason"] in ("stop", "length"), out
+        assert out["object"] == kind and len(out["choices"]) == body.get("n", 1), out
+        assert all(c["finish_reason"] in ("stop", "length") for c in out["choices"]), out
         assert out["usage"]["completion_tokens"] >= 1
     return status, out
 

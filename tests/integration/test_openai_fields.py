@@ -1,7 +1,7 @@
 """The OpenAI fields real clients send, over the bare router, real workers and real HTTP:
 chat `content` as a list of text parts, `stream_options.continuous_usage_stats` (vLLM's
-extension that benchmark clients such as guidellm send), clear 400s for tools and structured
-output, `GET /v1/models`, and vLLM's `/tokenize` and `/detokenize`."""
+extension that benchmark clients such as guidellm send), `n` choices, clear 400s for tools and
+structured output, `GET /v1/models`, and vLLM's `/tokenize` and `/detokenize`."""
 
 import time
 
@@ -168,3 +168,49 @@ def test_api_keys_cover_tokenize_and_detokenize(served):
             assert status == 401 and out["error"]["code"] == "invalid_api_key", out
             status, out, _ = post(keyed.url + path, body, headers={"Authorization": "Bearer sk-test"})
             assert status == 200, out
+
+
+def _completion(url: str, **fields) -> dict:
+    body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 10, "ignore_eos": True, "temperature": 1.0,
+            "return_token_ids": True, **fields}
+    status, out, _ = post(url + "/v1/completions", body)
+    assert status == 200, out
+    return out
+
+
+def test_n_choices_are_the_requests_with_seeds_seed_plus_i(served):
+    url = served["url"]
+    many = _completion(url, n=3, seed=40, logprobs=0)
+    assert [c["index"] for c in many["choices"]] == [0, 1, 2]
+    singles = [_completion(url, seed=40 + i, logprobs=0)["choices"][0] for i in range(3)]
+    for choice, single in zip(many["choices"], singles, strict=True):
+        assert choice["token_ids"] == single["token_ids"] and choice["text"] == single["text"]
+        assert choice["logprobs"]["token_logprobs"] == single["logprobs"]["token_logprobs"]
+    assert len({tuple(c["token_ids"]) for c in many["choices"]}) == 3, "each choice has its own seed"
+    assert many["usage"]["prompt_tokens"] == 4 and many["usage"]["completion_tokens"] == 30
+    again = _completion(url, n=3, seed=40, logprobs=0)
+    assert [c["token_ids"] for c in again["choices"]] == [c["token_ids"] for c in many["choices"]]
+
+
+def test_unseeded_choices_differ(served):
+    out = _completion(served["url"], n=4)
+    assert len({tuple(c["token_ids"]) for c in out["choices"]}) == 4 and out["usage"]["completion_tokens"] == 40
+
+
+def test_streamed_choices_carry_their_index(served):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "ignore_eos": True,
+            "seed": 9, "n": 2, "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
+    status, out, _ = post(served["url"] + CHAT, body)
+    assert status == 200 and out["done"], out
+    *chunks, last = out["events"]
+    by_index = {0: [], 1: []}
+    for chunk in chunks:
+        [choice] = chunk["choices"]
+        by_index[choice["index"]].append(choice)
+    for index, choices in by_index.items():
+        assert choices[0]["delta"] == {"role": "assistant", "content": ""}
+        assert [c["finish_reason"] for c in choices if c["finish_reason"]] == ["length"]
+        ids = [t for c in choices for t in c.get("token_ids") or []]
+        status, single, _ = post(served["url"] + CHAT, {**body, "n": 1, "stream": False, "seed": 9 + index})
+        assert ids == single["choices"][0]["token_ids"], index
+    assert last["usage"]["completion_tokens"] == 12

@@ -1,0 +1,210 @@
+"""A routed request's choices run, and its answer shaped: one JSON body, or an SSE stream.
+
+A request asks for `n` choices; each is a `Generation` of its own (own worker-level request
+id, own seed), run concurrently, their deltas merged as they come. Usage counts the prompt
+once and the completion tokens of every choice. The router counts the request once in flight;
+each choice is observed in the metrics and the autoscaler's window as a sequence of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from engine.outputs import TokenLogprob
+from router import protocol
+from router.errors import APIError
+from router.generation import Delta, Generation, GenerationError
+from router.logprobs import chat_logprobs, completion_logprobs
+
+_END = object()
+
+
+@dataclass
+class Collected:
+    """One choice of a non-streaming request, as it ended."""
+
+    parts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+async def merged_deltas(generations: list[Generation]) -> AsyncIterator[tuple[int, Delta]]:
+    """(choice index, delta) from every generation as they arrive; the first error raises,
+    and leaving early (or an error) cancels the choices still running."""
+    if len(generations) == 1:
+        async for delta in generations[0].deltas():
+            yield 0, delta
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, generation: Generation) -> None:
+        try:
+            async for delta in generation.deltas():
+                await queue.put((index, delta))
+            await queue.put((index, _END))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, raised there
+            await queue.put((index, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(generations)]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if item is _END:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def usage(generations: list[Generation]) -> dict:
+    """The prompt once, every choice's completion tokens, the first choice's cached tokens."""
+    first = generations[0]
+    return protocol.usage(len(first.prompt_ids), sum(g.result.num_completion_tokens for g in generations),
+                          first.result.num_cached_tokens)
+
+
+def begin(router) -> None:
+    router.inflight += 1
+    router.metrics.inflight.inc()
+
+
+def end(router, generations: list[Generation]) -> None:
+    router.inflight -= 1
+    router.metrics.inflight.dec()
+    finished_at = time.perf_counter()
+    for generation in generations:
+        router.metrics.observe(generation, finished_at)
+        result = generation.result
+        if result.finish_reason in ("stop", "length") and result.first_token_at is not None:
+            router.finished.append((time.monotonic(), len(generation.prompt_ids), result.num_completion_tokens,
+                                    result.first_token_at - generation.started, result.tpot_s(finished_at),
+                                    result.num_cached_tokens))
+
+
+async def collect(request: Request, generations: list[Generation]) -> list[Collected]:
+    """Run a non-streaming request's choices; a client that disconnects aborts them."""
+    collected = [Collected() for _ in generations]
+
+    async def run():
+        async for index, delta in merged_deltas(generations):
+            choice = collected[index]
+            choice.parts.append(delta.text)
+            choice.token_ids.extend(delta.token_ids)
+            choice.logprobs.extend(delta.logprobs or ())
+
+    task = asyncio.ensure_future(run())
+    client_gone = False
+    try:
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if not done and await request.is_disconnected():
+                client_gone = True
+                task.cancel()
+        await task
+    except GenerationError as exc:
+        retry = {"Retry-After": "1"} if exc.status in (429, 503) else None
+        raise APIError(exc.status, str(exc), headers=retry) from None
+    except asyncio.CancelledError:
+        for generation in generations:
+            if generation.result.finish_reason is None:
+                generation.result.finish_reason = "abort"
+        if client_gone and not asyncio.current_task().cancelling():
+            # we cancelled it: end the request normally (the answer goes nowhere) rather than
+            # letting CancelledError escape into the ASGI server as an unhandled exception
+            raise APIError(499, "client closed the request") from None
+        raise
+    finally:
+        task.cancel()  # no-op once done; stops the choices if this handler itself is cancelled
+    return collected
+
+
+def json_body(router, rid: str, model: str, chat: bool, generations: list[Generation],
+              collected: list[Collected], return_token_ids: bool) -> dict:
+    """The whole answer of a non-streaming request."""
+    want_logprobs = generations[0].params.logprobs is not None
+    choices = []
+    for index, (generation, choice) in enumerate(zip(generations, collected, strict=True)):
+        text, finish = "".join(choice.parts), generation.result.finish_reason
+        entry = {"index": index, "message": {"role": "assistant", "content": text}} if chat \
+            else {"index": index, "text": text}
+        entry.update(logprobs=None, finish_reason=finish)
+        if want_logprobs:
+            entry["logprobs"] = chat_logprobs(router.tokenizer, choice.logprobs) if chat \
+                else completion_logprobs(router.tokenizer, choice.logprobs, 0)[0]
+        if return_token_ids:
+            entry["token_ids"] = choice.token_ids
+        choices.append(entry)
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": choices, "usage": usage(generations)}
+
+
+async def sse(router, rid: str, generations: list[Generation], model: str, chat: bool,
+              options: protocol.StreamOptions, return_token_ids: bool):
+    """The SSE stream of a request: chunks (each naming its choice's index), then (with
+    `include_usage`) a usage chunk, then `[DONE]`; with `continuous_usage_stats` too, every
+    chunk carries the usage so far."""
+    created = int(time.time())
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    continuous = options.include_usage and options.continuous_usage_stats
+    text_offsets = [0] * len(generations)  # completions logprobs: where each choice's next token starts
+
+    def event(payload: dict) -> bytes:
+        if continuous and payload.get("choices"):
+            payload["usage"] = usage(generations)
+        return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+    def chunk_of(index: int, delta: Delta) -> dict:
+        if chat:
+            content = {"content": delta.text} if delta.text else {}
+            chunk = protocol.chat_chunk(rid, model, created, content, delta.finish_reason)
+        else:
+            chunk = protocol.completion_chunk(rid, model, created, delta.text, delta.finish_reason)
+        choice = chunk["choices"][0]
+        choice["index"] = index
+        if return_token_ids:
+            choice["token_ids"] = delta.token_ids
+        if delta.logprobs is not None:
+            if chat:
+                choice["logprobs"] = chat_logprobs(router.tokenizer, delta.logprobs)
+            else:
+                choice["logprobs"], text_offsets[index] = completion_logprobs(router.tokenizer, delta.logprobs,
+                                                                              text_offsets[index])
+        return chunk
+
+    begin(router)  # counted from the first iteration: a stream never started holds nothing
+    try:
+        if chat:
+            for index in range(len(generations)):
+                role = protocol.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None)
+                role["choices"][0]["index"] = index
+                yield event(role)
+        try:
+            async for index, delta in merged_deltas(generations):
+                yield event(chunk_of(index, delta))
+        except (GenerationError, APIError) as exc:
+            status = getattr(exc, "status", 503)
+            for generation in generations:
+                if generation.result.finish_reason is None:
+                    generation.result.finish_reason = "error"
+            yield event({"error": {"message": str(exc), "type": "server_error", "code": status}})
+            yield b"data: [DONE]\n\n"
+            return
+        if options.include_usage:
+            yield event(protocol.usage_chunk(rid, model, created, kind, usage(generations)))
+        yield b"data: [DONE]\n\n"
+    finally:
+        for generation in generations:
+            if generation.result.finish_reason is None:
+                generation.result.finish_reason = "abort"  # the client went away mid-stream
+        end(router, generations)
