@@ -31,7 +31,7 @@ from router import protocol, responses
 from router.admin import install_admin
 from router.auth import APIKeyMiddleware
 from router.cache_index import PromptKeys
-from router.errors import APIError, install_handlers, validation_message
+from router.errors import APIError, check_model, install_handlers, validation_message
 from router.generation import Generation
 from router.metrics import RouterMetrics
 from router.policies import DEFAULT_POLICY, CacheAwareWeights, RouteRequest, decode_busy, make_policy
@@ -253,9 +253,7 @@ def _sampling(body, router: Router, num_prompt_tokens: int) -> SamplingParams:
 
 
 async def _serve(request: Request, router: Router, body, ids: list[int], chat: bool):
-    if body.model != router.config.served_model_name:
-        raise APIError(404, f"model {body.model!r} does not exist; this server serves "
-                            f"{router.config.served_model_name!r} (GET /v1/models)", "model", "model_not_found")
+    check_model(body.model, router.config.served_model_name)
     if not router.registry.model.ready.is_set():
         raise APIError(503, "no decode worker is ready yet; retry shortly", headers={"Retry-After": "1"})
     params = _sampling(body, router, len(ids))

@@ -26,6 +26,13 @@ class APIError(Exception):
         return error_body(self.status, self.message, self.param, self.code)
 
 
+def check_model(name: str | None, served: str) -> None:
+    """APIError 404 naming the served model unless `name` is it (None: not given, accepted)."""
+    if name is not None and name != served:
+        raise APIError(404, f"model {name!r} does not exist; this server serves {served!r} (GET /v1/models)",
+                       "model", "model_not_found")
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
                       "param": param, "code": code}}

@@ -13,7 +13,7 @@ from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from engine.tokenizer import apply_chat_template, check_token_ids
-from router.errors import APIError
+from router.errors import APIError, check_model
 from router.protocol import ChatMessage, template_messages
 
 
@@ -36,10 +36,8 @@ class DetokenizeRequest(BaseModel):
 def install_tokenize(app, router, read_body) -> None:
     """Add the two endpoints; `read_body(request, model)` parses and validates a body."""
 
-    def check_model(name: str | None) -> object:
-        if name is not None and name != router.config.served_model_name:
-            raise APIError(404, f"model {name!r} does not exist; this server serves "
-                                f"{router.config.served_model_name!r} (GET /v1/models)", "model", "model_not_found")
+    def tokenizer_for(name: str | None) -> object:
+        check_model(name, router.config.served_model_name)
         if router.tokenizer is None:
             raise APIError(400, "this model has no tokenizer")
         return router.tokenizer
@@ -47,7 +45,7 @@ def install_tokenize(app, router, read_body) -> None:
     @app.post("/tokenize")
     async def tokenize(request: Request):
         body = await read_body(request, TokenizeRequest)
-        tokenizer = check_model(body.model)
+        tokenizer = tokenizer_for(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send exactly one of 'prompt' (text) and 'messages' (a conversation)", "prompt")
         try:
@@ -65,7 +63,7 @@ def install_tokenize(app, router, read_body) -> None:
     @app.post("/detokenize")
     async def detokenize(request: Request):
         body = await read_body(request, DetokenizeRequest)
-        tokenizer = check_model(body.model)
+        tokenizer = tokenizer_for(body.model)
         vocab = router.registry.model.vocab_size or None
         try:
             ids = check_token_ids(body.tokens, vocab) if body.tokens else []
