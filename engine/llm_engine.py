@@ -9,6 +9,7 @@ from engine.block_hash import root_hash
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.guided import GuideFactory
 from engine.loader import load_model, num_kv_blocks
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
@@ -39,6 +40,7 @@ class LLMEngine:
             self.block_manager,
         )
         self.runner = ModelRunner(self.loaded.model, num_blocks, config.block_size)
+        self._guides = GuideFactory(self.loaded.tokenizer, self.loaded.shape.vocab_size)
         self._tracked: dict[str, _Tracked] = {}
         self._seed_source = random.Random(config.seed)
 
@@ -119,7 +121,8 @@ class LLMEngine:
         if params.first_position > len(ids):
             raise ValueError(f"first_position {params.first_position} exceeds the prompt's {len(ids)} tokens")
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
-        return Request(request_id, ids, params, seed, self.loaded.eos_token_ids)
+        guide = self._guides.new(params.json_schema) if params.json_schema is not None else None
+        return Request(request_id, ids, params, seed, self.loaded.eos_token_ids, guide=guide)
 
     def _track(self, request: Request, prompt, detokenize: bool) -> _Tracked:
         detok = None

@@ -51,7 +51,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[rows])
         chunks = [c for _, c in sampling]
         tokens, logprobs = sample_with_logprobs(logits, [c.sampling_params for c in chunks], [c.seed for c in chunks],
-                                                [c.output_index for c in chunks], [c.history for c in chunks])
+                                                [c.output_index for c in chunks], [c.history for c in chunks],
+                                                [c.guide for c in chunks])
         return ({c.request_id: t for c, t in zip(chunks, tokens, strict=True)},
                 {c.request_id: lp for c, lp in zip(chunks, logprobs, strict=True) if lp is not None})
 

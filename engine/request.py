@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.guided import Guide
 
 
 class RequestStatus(enum.Enum):
@@ -54,6 +58,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in a prefix cache instead of computed
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
+    guide: Guide | None = None  # when the params ask for JSON output (engine.guided)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -78,9 +83,17 @@ class Request:
         last = self.output_token_ids[-1]
         if last in params.stop_token_ids or (not params.ignore_eos and last in self.eos_token_ids):
             return RequestStatus.FINISHED_STOPPED
+        if self.guide is not None:
+            self.guide.sync(self.history().generated())
+            if self.guide.finished:  # the JSON is complete
+                return RequestStatus.FINISHED_STOPPED
         if len(self.output_token_ids) >= params.max_tokens or self.num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def history(self) -> TokenHistory:
+        return TokenHistory(self.prompt_token_ids, self.output_token_ids, self.sampling_params.first_position,
+                            self.eos_token_ids)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,9 @@ tokens never depend on its batch, on chunking, on preemption, or on which worker
 when two perturbed scores tie, while it moves a CDF lookup whenever the distribution is
 flat.) The noise is drawn on the CPU so CPU and CUDA workers agree.
 
-Requests may adjust their logits first (penalties, logit_bias, min_tokens: `engine.logits`).
+Requests may adjust their logits first (penalties, logit_bias, min_tokens: `engine.logits`),
+and a request with a JSON schema then has every token its grammar forbids masked out
+(`engine.guided`).
 Log-probabilities, for requests that ask (`SamplingParams.logprobs`), are of the
 distribution the token was drawn from: the (adjusted) log-softmax for greedy requests, and
 after temperature, top-k and top-p for sampled ones (a token the filters exclude has
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.guided import Guide
 from engine.logits import adjust_logits
 from engine.outputs import TokenLogprob
 from engine.request import TokenHistory
@@ -48,24 +51,33 @@ def gumbel_noise(seed: int, position: int, vocab_size: int) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
-           positions: list[int], histories: list[TokenHistory | None] | None = None) -> list[int]:
+           positions: list[int], histories: list[TokenHistory | None] | None = None,
+           guides: list[Guide | None] | None = None) -> list[int]:
     """Pick one token per row of `logits` `[rows, vocab]` (fp32). `histories[i]` is row i's
-    request's tokens, needed (only) where its params adjust logits (`engine.logits`)."""
-    return sample_with_logprobs(logits, params, seeds, positions, histories)[0]
+    request's tokens, needed (only) where its params adjust logits (`engine.logits`) or it
+    has a guide `guides[i]` (`engine.guided`)."""
+    return sample_with_logprobs(logits, params, seeds, positions, histories, guides)[0]
 
 
 def sample_with_logprobs(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
                          positions: list[int], histories: list[TokenHistory | None] | None = None,
+                         guides: list[Guide | None] | None = None,
                          ) -> tuple[list[int], list[TokenLogprob | None]]:
     """Tokens as `sample`, and for each row whose request asked for logprobs its
     `TokenLogprob` (None for the others; nothing is computed when no row asked)."""
     adjusted = [i for i, p in enumerate(params) if p.adjusts_logits]
-    if adjusted:
-        if histories is None or any(histories[i] is None for i in adjusted):
-            raise ValueError("rows whose params adjust logits need their token histories")
+    guided = [i for i, g in enumerate(guides or ()) if g is not None]
+    needs_history = adjusted + guided
+    if needs_history and (histories is None or any(histories[i] is None for i in needs_history)):
+        raise ValueError("rows whose params adjust logits or that have a guide need their token histories")
+    if needs_history:
         logits = logits.clone()
-        for i in adjusted:
-            logits[i] = adjust_logits(logits[i], params[i], histories[i])
+    for i in adjusted:
+        logits[i] = adjust_logits(logits[i], params[i], histories[i])
+    for i in guided:
+        guides[i].sync(histories[i].generated())
+        allowed = torch.from_numpy(guides[i].allowed(histories[i].eos_token_ids)).to(logits.device)
+        logits[i].masked_fill_(~allowed, float("-inf"))
     tokens = logits.max(dim=-1).indices  # the first maximum, as argmax; ~2x faster on CPU
     rows = [i for i, p in enumerate(params) if not p.greedy]
     processed = None

@@ -28,6 +28,13 @@ class SamplingParams:
     `logit_bias` adds a bias in [-100, 100] to the listed token ids; `min_tokens` forbids EOS
     and `stop_token_ids` until that many tokens were generated (counted from the request's
     start, as `first_position` is).
+
+    `json_schema` (JSON text; `engine.guided.ANY_OBJECT` for any object) constrains the
+    output to compact JSON that validates against it; the request stops when the JSON is
+    complete. `prompt_logprobs=k` returns the logprob of every prompt token after the first
+    given the tokens before it, with k alternatives: the model's own log-softmax (no
+    adjustments, temperature or filters, since nothing was sampled). Such a request computes
+    its whole prompt (the prefix cache is not used for it).
     """
 
     max_tokens: int = 16
@@ -46,6 +53,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # or a dict {token id: bias}
+    json_schema: str | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -57,6 +66,11 @@ class SamplingParams:
         _require_int("first_position", self.first_position, "an integer >= 0", low=0)
         if self.logprobs is not None:
             _require_int("logprobs", self.logprobs, f"an integer in [0, {MAX_LOGPROBS}]", low=0, high=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _require_int("prompt_logprobs", self.prompt_logprobs, f"an integer in [0, {MAX_LOGPROBS}]", low=0,
+                         high=MAX_LOGPROBS)
+        if self.json_schema is not None and not isinstance(self.json_schema, str):
+            raise ValueError(f"json_schema must be a JSON schema as JSON text, got {type(self.json_schema).__name__}")
         if self.seed is not None:
             _require_int("seed", self.seed, "an integer in [0, 2**63)", low=0, high=2**63 - 1)
         if not _is_number(self.temperature) or self.temperature < 0:

@@ -18,10 +18,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.block_manager import BlockManager
 from engine.request import Request, RequestStatus, TokenHistory
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.guided import Guide
 
 
 @dataclass(frozen=True)
@@ -43,7 +47,8 @@ class ScheduledChunk:
     output_index: int  # the output position of the token sampled (if `sample`)
     seed: int
     sampling_params: SamplingParams
-    history: TokenHistory | None = None  # when `sample` and the params adjust logits
+    history: TokenHistory | None = None  # when `sample` and the params adjust logits or have a guide
+    guide: Guide | None = None  # the request's, when it has one (engine.guided)
 
 
 @dataclass
@@ -211,7 +216,6 @@ class Scheduler:
             output_index=request.sampling_params.first_position + len(request.output_token_ids),
             seed=request.seed,
             sampling_params=request.sampling_params,
-            history=TokenHistory(request.prompt_token_ids, request.output_token_ids,
-                                 request.sampling_params.first_position, request.eos_token_ids)
-            if request.sampling_params.adjusts_logits else None,
+            history=request.history() if request.sampling_params.adjusts_logits or request.guide else None,
+            guide=request.guide,
         )

@@ -29,6 +29,8 @@ def sampling_from_proto(message: pb.SamplingOptions) -> SamplingParams:
         repetition_penalty=float(message.repetition_penalty) if message.repetition_penalty != 0 else 1.0,
         min_tokens=int(message.min_tokens),
         logit_bias={int(t): float(b) for t, b in message.logit_bias.items()},
+        json_schema=message.json_schema or None,
+        prompt_logprobs=int(message.prompt_logprobs) if message.HasField("prompt_logprobs") else None,
     )
 
 
@@ -38,12 +40,14 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingOptions:
         top_k=params.top_k, stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
         first_position=params.first_position, presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
-        min_tokens=params.min_tokens, logit_bias=dict(params.logit_bias),
+        min_tokens=params.min_tokens, logit_bias=dict(params.logit_bias), json_schema=params.json_schema or "",
     )
     if params.seed is not None:
         message.seed = params.seed
     if params.logprobs is not None:
         message.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        message.prompt_logprobs = params.prompt_logprobs
     return message
 
 

@@ -242,12 +242,16 @@ def _sampling(body, router: Router, num_prompt_tokens: int) -> SamplingParams:
     if body.min_tokens > max_tokens:
         raise APIError(400, f"min_tokens ({body.min_tokens}) exceeds max_tokens ({max_tokens})", "min_tokens")
     try:
+        json_schema = body.json_schema()
+    except ValueError as exc:
+        raise APIError(400, str(exc), "response_format") from None
+    try:
         return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                               top_k=max(0, body.top_k), seed=body.seed, stop=tuple(body.stop_list()),
                               stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
                               logprobs=body.num_logprobs(), presence_penalty=body.presence_penalty,
                               frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-                              min_tokens=body.min_tokens, logit_bias=bias)
+                              min_tokens=body.min_tokens, logit_bias=bias, json_schema=json_schema)
     except ValueError as exc:
         raise APIError(400, str(exc), str(exc).split(" ")[0]) from None
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
+from engine.guided import ANY_OBJECT, schema_error
 from engine.sampling_params import MAX_LOGPROBS
 
 NonNegInt = Annotated[StrictInt, Field(ge=0)]
@@ -47,6 +49,8 @@ class _SamplingFields(BaseModel):
     min_tokens: NonNegInt = Field(default=0, description="vLLM's: no EOS or stop token before this many")
     logit_bias: dict[str, StrictFloat] | None = Field(default=None, description="token id (a string) -> bias")
     return_token_ids: StrictBool = Field(False, description="pdserve extension: add the generated token ids")
+    response_format: dict | None = Field(default=None, description=(
+        "{'type': 'text'}, {'type': 'json_object'} or {'type': 'json_schema', 'json_schema': {'name', 'schema'}}"))
 
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -57,6 +61,27 @@ class _SamplingFields(BaseModel):
         if len(self.stop_list()) > 4 or any(not s for s in self.stop_list()):
             return "stop: at most 4 non-empty strings"
         return None
+
+    def json_schema(self) -> str | None:
+        """The JSON schema (JSON text) that `response_format` asks the output to follow, or
+        None for free text; ValueError naming what is wrong with the field."""
+        fmt = self.response_format
+        if fmt is None or fmt.get("type") == "text":
+            return None
+        if fmt.get("type") == "json_object":
+            return ANY_OBJECT
+        if fmt.get("type") != "json_schema":
+            raise ValueError(f"response_format.type must be 'text', 'json_object' or 'json_schema', "
+                             f"got {fmt.get('type')!r}")
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise ValueError("response_format.json_schema: needs an object with a 'schema' object "
+                             "(and a 'name'), as OpenAI's structured outputs take it")
+        schema = json.dumps(spec["schema"])
+        error = schema_error(schema)
+        if error:
+            raise ValueError(f"response_format.json_schema.schema: {error}")
+        return schema
 
     @property
     def requested_max_tokens(self) -> int:
@@ -127,13 +152,10 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: StrictBool | None = None
-    response_format: dict | None = None
 
     def unsupported(self) -> str | None:
         if self.tools or self.tool_choice not in (None, "none"):
             return "tools: tool calling is not supported yet; send the request without tools/tool_choice"
-        if self.response_format and self.response_format.get("type") != "text":
-            return "response_format: structured output is not supported yet; only {'type': 'text'}"
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs: needs logprobs: true"
         return super().unsupported()

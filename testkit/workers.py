@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -196,3 +197,21 @@ class RouterProcess(_Process):
                 self.stop()
                 raise RuntimeError(f"router not ready after {ready_timeout_s}s:\n{self.log()}")
             time.sleep(0.2)
+
+
+# The ways a request reaches its first token through the router: remote prefill with the KV
+# shipped over each transport, or prefill on the decode worker (whose cache is then always
+# deemed close enough). Each is (decode worker args, router args).
+SERVING_PATHS = {"remote-torch": ((), ("--kv-transport", "torch")),
+                 "remote-grpc": ((), ("--kv-transport", "grpc")),
+                 "local": (("--local-prefill-max-tokens", "100000"), ())}
+
+
+@contextlib.contextmanager
+def serving_path(model: str, path: str):
+    """One prefill worker, one decode worker and a router set up for `path` (SERVING_PATHS);
+    yields {"url", "path", "decode"}."""
+    decode_args, router_args = SERVING_PATHS[path]
+    with WorkerProcess("prefill", model) as p, WorkerProcess("decode", model, *decode_args) as d, \
+            RouterProcess(model, [p.address], [d.address], *router_args) as router:
+        yield {"url": router.url, "path": path, "decode": d}

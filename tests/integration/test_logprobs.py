@@ -11,7 +11,7 @@ import torch
 
 from engine import LLM
 from engine.sampling_params import SamplingParams
-from testkit.workers import RouterProcess, WorkerProcess, stats_of
+from testkit.workers import SERVING_PATHS, serving_path, stats_of
 from tests.e2e.http import post
 
 PROMPT = list(range(5, 40))
@@ -84,17 +84,10 @@ def test_out_of_range_logprobs_are_refused(bad):
 
 # ------------------------------------------------------------------ through the router
 
-PATHS = {"remote-torch": ((), ("--kv-transport", "torch")), "remote-grpc": ((), ("--kv-transport", "grpc")),
-         "local": (("--local-prefill-max-tokens", "100000"), ())}
-
-
-@pytest.fixture(scope="module", params=sorted(PATHS))
+@pytest.fixture(scope="module", params=sorted(SERVING_PATHS))
 def served(request, tiny_llama_dir):
-    model = str(tiny_llama_dir)
-    decode_args, router_args = PATHS[request.param]
-    with WorkerProcess("prefill", model) as p, WorkerProcess("decode", model, *decode_args) as d, \
-            RouterProcess(model, [p.address], [d.address], *router_args) as router:
-        yield {"url": router.url, "path": request.param, "decode": d}
+    with serving_path(str(tiny_llama_dir), request.param) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

@@ -71,14 +71,14 @@ async def _serving(decode_workers) -> WorkerProcess:
 
 @pytest.fixture(scope="module")
 def killable(tiny_llama_dir):
-    """A bare router over one prefill and four decode workers; each test kills one (three
+    """A bare router over one prefill and five decode workers; each test kills one (four
     tests: one survivor is left for the last test's resumed stream)."""
     model = str(tiny_llama_dir)
     with WorkerProcess("prefill", model) as p, WorkerProcess("decode", model) as d1, \
             WorkerProcess("decode", model) as d2, WorkerProcess("decode", model) as d3, \
-            WorkerProcess("decode", model) as d4, \
-            RouterProcess(model, [p.address], [d.address for d in (d1, d2, d3, d4)]) as r:
-        yield r, [d1, d2, d3, d4]
+            WorkerProcess("decode", model) as d4, WorkerProcess("decode", model) as d5, \
+            RouterProcess(model, [p.address], [d.address for d in (d1, d2, d3, d4, d5)]) as r:
+        yield r, [d1, d2, d3, d4, d5]
 
 
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "top_p": 0.95, "seed": 1234}],
@@ -129,6 +129,36 @@ def test_a_resumed_stream_carries_the_unbroken_runs_logprobs_and_penalties(killa
     for (value, top), (expected, expected_top) in zip(logprobs, reference_logprobs, strict=True):
         assert abs(value - expected) < 1e-5 and top.keys() == expected_top.keys()
         assert all(abs(top[k] - expected_top[k]) < 1e-5 for k in top)
+
+
+def test_a_resumed_stream_keeps_to_its_json_schema(killable, tiny_llama_dir):
+    """Structured output across a migration: the worker it resumes on brings its grammar up
+    to the tokens generated before the kill, and the stream equals an unbroken run's."""
+    import json
+
+    import jsonschema
+
+    router, decode = killable
+    schema = {"type": "object", "required": ["words"], "additionalProperties": False,
+              "properties": {"words": {"type": "array", "minItems": 12, "maxItems": 12,
+                                       "items": {"type": "string", "minLength": 4, "maxLength": 8}}}}
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 400, "temperature": 1.0, "seed": 9,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "words", "schema": schema}}}
+    reference, finishes, *_ = asyncio.run(_stream_ids(router.url, body))
+    assert finishes == ["stop"] and len(reference) > 30, reference
+    migrations_before = metric(router.url, 'pdserve_migrations_total{reason="unavailable"}')
+
+    async def kill_the_serving_worker():
+        (await _serving(decode)).kill()
+
+    ids, finishes, _, errors, done = asyncio.run(_stream_ids(router.url, body, 10, kill_the_serving_worker))
+    assert not errors and done and finishes == ["stop"], (errors, finishes)
+    assert metric(router.url, 'pdserve_migrations_total{reason="unavailable"}') == migrations_before + 1
+    assert ids == reference
+    from transformers import AutoTokenizer
+
+    text = AutoTokenizer.from_pretrained(tiny_llama_dir).decode(ids)
+    jsonschema.validate(json.loads(text), schema)
 
 
 @pytest.fixture(scope="module")
