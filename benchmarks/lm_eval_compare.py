@@ -156,9 +156,9 @@ def main() -> int:
                                  work / "hf", args.limit)
         print(json.dumps({k: v for k, v in runs["hf"].items() if k not in ("samples", "error_tail")}), flush=True)
         url = args.url
-        if url is None:
-            url = start_service(pdserve, free_port())
         try:
+            if url is None:
+                url = start_service(pdserve, free_port())
             api_args = {"model": DEFAULT_MODEL, "base_url": f"{url.rstrip('/')}/v1/completions",
                         "tokenizer": checkpoint, "tokenizer_backend": "huggingface",
                         "tokenized_requests": True, "num_concurrent": 1, "max_retries": 3}

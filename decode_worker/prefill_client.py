@@ -28,6 +28,19 @@ from protos.channel import open_channel
 from protos.convert import logprob_from_proto, sampling_to_proto
 
 
+@dataclass(frozen=True)
+class Prefilled:
+    """What a remote prefill leg returns: the first token, the prefill worker's id, how many
+    prompt tokens its own cache supplied, and the logprobs the request asked for (the first
+    token's; prompt tokens 1..n-1's)."""
+
+    first_token: int
+    prefill_worker_id: str
+    num_cached_tokens: int
+    first_logprob: TokenLogprob | None
+    prompt_logprobs: list[TokenLogprob] | None
+
+
 @dataclass
 class PrefillPeer:
     address: str
@@ -61,11 +74,10 @@ class PrefillClient:
         return peer
 
     async def run(self, address: str, request_id: str, ids: list[int], params, transport: str,
-                  num_cached_tokens: int = 0) -> tuple[int, str, int, TokenLogprob | None]:
+                  num_cached_tokens: int = 0) -> Prefilled:
         """Prefill remotely into the request's reserved blocks, of which the first
         `num_cached_tokens` positions hold KV already (shared cached blocks: only the rest is
-        shipped). Returns (first token, prefill worker id, tokens its own cache supplied, the
-        first token's logprob when the request asked for logprobs)."""
+        shipped)."""
         service = self.service
         try:
             peer = await self.peer(address)
@@ -95,6 +107,7 @@ class PrefillClient:
             await call.write(pb.PrefillClientMessage(start=start))
             done = await self._receive_until_done(call, reservation.transfer_id)
             first_logprob = self._first_logprob(done, params)
+            prompt_logprobs = self._prompt_logprobs(done, params, ids)
             await kv_complete
             if reservation.error is not None:
                 raise TransferError(reservation.error)
@@ -102,7 +115,8 @@ class PrefillClient:
             await call.done_writing()
             completed = True
             service.kv_bytes_received += service.layout.kv_bytes(len(ids) - num_cached_tokens)
-            return done.first_token, done.prefill_worker_id, done.num_cached_tokens, first_logprob
+            return Prefilled(done.first_token, done.prefill_worker_id, done.num_cached_tokens, first_logprob,
+                             prompt_logprobs)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 self._forget(peer)
@@ -123,6 +137,20 @@ class PrefillClient:
                                       self.service.engine.loaded.shape.vocab_size, params.logprobs)
         except ValueError as exc:
             raise TransferError(f"prefill worker sent bad logprobs: {exc}") from None
+
+    def _prompt_logprobs(self, done: pb.PrefillDone, params, ids: list[int]) -> list[TokenLogprob] | None:
+        """Prompt tokens 1..n-1's logprobs from `done`, checked, when the request asked."""
+        if params.prompt_logprobs is None:
+            return None
+        if len(done.prompt_logprobs) != len(ids) - 1:
+            raise TransferError(f"prefill worker sent {len(done.prompt_logprobs)} prompt logprobs for a prompt "
+                                f"of {len(ids)} tokens (expected {len(ids) - 1})")
+        vocab = self.service.engine.loaded.shape.vocab_size
+        try:
+            return [logprob_from_proto(token, message, vocab, params.prompt_logprobs)
+                    for token, message in zip(ids[1:], done.prompt_logprobs, strict=True)]
+        except ValueError as exc:
+            raise TransferError(f"prefill worker sent bad prompt logprobs: {exc}") from None
 
     async def _receive_until_done(self, call, transfer_id: int) -> pb.PrefillDone:
         table = self.service.table

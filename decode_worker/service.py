@@ -202,7 +202,7 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
         one of them sends. None when both failed (the blocks stay reserved)."""
         for address in addresses[:2]:
             try:
-                first_token, prefill_id, prefill_cached, first_logprob = await asyncio.wait_for(
+                prefilled = await asyncio.wait_for(
                     self.prefill.run(address, request_id, ids, params, transport, cached),
                     timeout=self.config.kv_transfer_timeout_s)
             except asyncio.CancelledError:
@@ -213,11 +213,12 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
                                address, str(exc) or type(exc).__name__)  # a timeout's str() is ""
                 continue
             async with self.aengine.lock:
-                output = self.engine.add_prefilled_request(request_id, ids, params, first_token,
-                                                           prefill_cached, first_logprob)
+                output = self.engine.add_prefilled_request(request_id, ids, params, prefilled.first_token,
+                                                           prefilled.num_cached_tokens, prefilled.first_logprob,
+                                                           prefilled.prompt_logprobs)
             self.aengine.wake()
             self._serve_block_waiters()  # it may have finished at once, freeing blocks
-            return output, prefill_id
+            return output, prefilled.prefill_worker_id
         return None
 
     def _where_to_prefill(self, num_tokens: int, cached: int, have_prefill: bool,
@@ -297,4 +298,6 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
         return pb.GenerateChunk(token_ids=output.new_token_ids, finish_reason=output.finish_reason or "",
                                 num_prompt_tokens=len(output.prompt_token_ids), prefilled_by=prefilled_by,
                                 num_cached_tokens=output.num_cached_tokens if prefilled_by else 0,
-                                logprobs=[logprob_to_proto(lp) for lp in output.new_logprobs])
+                                logprobs=[logprob_to_proto(lp) for lp in output.new_logprobs],
+                                prompt_logprobs=[logprob_to_proto(lp) for lp in output.prompt_logprobs[1:]]
+                                if prefilled_by and output.prompt_logprobs is not None else [])

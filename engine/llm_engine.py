@@ -62,17 +62,23 @@ class LLMEngine:
 
     def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                               first_token: int, num_cached_tokens: int = 0,
-                              first_logprob: TokenLogprob | None = None) -> RequestOutput:
+                              first_logprob: TokenLogprob | None = None,
+                              prompt_logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
         """Admit a request prefilled elsewhere: its prompt KV is already in the blocks
         reserved under `request_id` (`reserve_blocks`), and its first token is known (with
-        its logprob when the request asked for logprobs).
+        its logprob when the request asked for logprobs, and its prompt's logprobs when it asked
+        for those).
         `num_cached_tokens`: prompt tokens its prefill did not compute (found in a cache).
         Returns the output for that first token (finished if it ends the request)."""
         if (params.logprobs is not None) != (first_logprob is not None):
             raise ValueError(f"request {request_id!r}: the first token's logprob must come exactly when "
                              f"the request asks for logprobs (logprobs={params.logprobs})")
+        if (params.prompt_logprobs is not None) != (prompt_logprobs is not None):
+            raise ValueError(f"request {request_id!r}: prompt logprobs must come exactly when the request asks "
+                             f"for them (prompt_logprobs={params.prompt_logprobs})")
         request = self._make_request(request_id, prompt_token_ids, params)
         request.num_cached_tokens = num_cached_tokens
+        request.prompt_logprobs = list(prompt_logprobs or [])
         if len(self.block_manager.block_table(request_id)) * self.config.block_size < request.num_prompt_tokens:
             raise ValueError(f"request {request_id!r} has no blocks reserved for its prompt")
         request.output_token_ids.append(first_token)
@@ -159,12 +165,14 @@ class LLMEngine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress with requests pending")
             return []
-        sampled, logprobs = self.runner.execute(scheduled)
-        self.scheduler.update(scheduled, sampled)
+        result = self.runner.execute(scheduled)
+        for request_id, (position, logprobs) in result.prompt_logprobs.items():
+            self._tracked[request_id].request.add_prompt_logprobs(position, logprobs)
+        self.scheduler.update(scheduled, result.sampled)
         outputs = []
-        for request_id, token in sampled.items():
+        for request_id, token in result.sampled.items():
             tracked = self._tracked[request_id]
-            outputs.append(self._after_token(tracked, token, logprobs.get(request_id)))
+            outputs.append(self._after_token(tracked, token, result.logprobs.get(request_id)))
         return outputs
 
     def _after_token(self, tracked: _Tracked, token: int, logprob: TokenLogprob | None = None) -> RequestOutput:
@@ -188,5 +196,8 @@ class LLMEngine:
         logprobs = list(request.output_logprobs) if request.sampling_params.logprobs is not None else None
         completion = CompletionOutput(0, text, list(request.output_token_ids),
                                       request.status.finish_reason, logprobs)
+        prompt_logprobs = [None, *request.prompt_logprobs] if request.sampling_params.prompt_logprobs is not None \
+            else None
         return RequestOutput(request.request_id, tracked.prompt, request.prompt_token_ids,
-                             [completion], new_ids, new_text, request.num_cached_tokens, new_logprobs or [])
+                             [completion], new_ids, new_text, request.num_cached_tokens, new_logprobs or [],
+                             prompt_logprobs)

@@ -7,6 +7,7 @@ head_dim]`; block ids from the block manager index its third axis.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -18,6 +19,18 @@ from engine.sampler import sample_with_logprobs
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 
 KVHook = Callable[[str, int, int, torch.Tensor, torch.Tensor], None]
+_SCORE_ROWS = 256  # prompt rows scored at once (prompt logprobs)
+
+
+@dataclass
+class StepResult:
+    """One step's results: {request_id: sampled token} for sampling chunks, {request_id:
+    its TokenLogprob} where the request asked for logprobs, and {request_id: (position of
+    the first, TokenLogprobs of consecutive prompt tokens)} where it asked for prompt logprobs."""
+
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -35,26 +48,47 @@ class ModelRunner:
             dtype=model.dtype, device=model.device,
         )
 
-    def execute(self, output: SchedulerOutput) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
-        """Compute the scheduled tokens; return {request_id: sampled token} for sampling
-        chunks, and {request_id: its TokenLogprob} for those whose request asked for them."""
+    def execute(self, output: SchedulerOutput) -> StepResult:
+        """Compute the scheduled tokens, sample where chunks ask, and score prompt tokens
+        for chunks that carry `prompt_targets`."""
+        result = StepResult()
         if output.is_empty:
-            return {}, {}
+            return result
         input_ids, positions, meta = self.prepare(output.chunks)
         hook = self._layer_hook(output.chunks) if self.kv_hook is not None else None
         hidden = self.model.forward(input_ids, positions, meta, self.kv_cache, hook)
-        ends = np.cumsum([len(c.token_ids) for c in output.chunks]) - 1
+        starts = np.cumsum([0] + [len(c.token_ids) for c in output.chunks])
+        for chunk, start in zip(output.chunks, starts, strict=False):
+            if chunk.prompt_targets:
+                result.prompt_logprobs[chunk.request_id] = (
+                    chunk.start_pos + 1, self._score(hidden[start:start + len(chunk.prompt_targets)],
+                                                     chunk.prompt_targets, chunk.sampling_params.prompt_logprobs))
         sampling = [(i, c) for i, c in enumerate(output.chunks) if c.sample]
         if not sampling:
-            return {}, {}
-        rows = torch.as_tensor(ends[[i for i, _ in sampling]], device=self.device)
+            return result
+        rows = torch.as_tensor(starts[[i + 1 for i, _ in sampling]] - 1, device=self.device)
         logits = self.model.compute_logits(hidden[rows])
         chunks = [c for _, c in sampling]
         tokens, logprobs = sample_with_logprobs(logits, [c.sampling_params for c in chunks], [c.seed for c in chunks],
                                                 [c.output_index for c in chunks], [c.history for c in chunks],
                                                 [c.guide for c in chunks])
-        return ({c.request_id: t for c, t in zip(chunks, tokens, strict=True)},
-                {c.request_id: lp for c, lp in zip(chunks, logprobs, strict=True) if lp is not None})
+        result.sampled = {c.request_id: t for c, t in zip(chunks, tokens, strict=True)}
+        result.logprobs = {c.request_id: lp for c, lp in zip(chunks, logprobs, strict=True) if lp is not None}
+        return result
+
+    def _score(self, hidden: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprob]:
+        """Each row's logprob of its target token and its k most likely tokens (the model's
+        log-softmax), a slice of rows at a time to bound the `[rows, vocab]` logits."""
+        scored = []
+        for begin in range(0, len(targets), _SCORE_ROWS):
+            want = torch.as_tensor(targets[begin:begin + _SCORE_ROWS], device=self.device)
+            dist = torch.log_softmax(self.model.compute_logits(hidden[begin:begin + _SCORE_ROWS]).float(), dim=-1)
+            chosen = dist.gather(1, want[:, None])[:, 0].tolist()
+            top_values, top_ids = dist.topk(k, dim=-1) if k else (dist[:, :0], dist[:, :0].long())
+            for token, value, ids, values in zip(want.tolist(), chosen, top_ids.tolist(), top_values.tolist(),
+                                                 strict=True):
+                scored.append(TokenLogprob(token, value, tuple(zip(ids, values, strict=True))))
+        return scored
 
     def _layer_hook(self, chunks: list[ScheduledChunk]):
         spans, row = [], 0

@@ -38,6 +38,9 @@ class RequestOutput:
     new_text: str = ""
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache, not computed
     new_logprobs: list[TokenLogprob] = field(default_factory=list)  # of new_token_ids, when asked
+    # when the request asked for prompt_logprobs: None for the first prompt token (nothing
+    # precedes it), then each prompt token's (the model's log-softmax given the tokens before)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:

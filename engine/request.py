@@ -54,6 +54,7 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # when sampling_params.logprobs is set
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1.. (prompt_logprobs)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in a prefix cache instead of computed
     status: RequestStatus = RequestStatus.WAITING
@@ -67,6 +68,19 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """The request asked for prompt logprobs and has not had them all yet."""
+        wanted = self.sampling_params.prompt_logprobs is not None
+        return wanted and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+
+    def add_prompt_logprobs(self, first_position: int, logprobs: list[TokenLogprob]) -> None:
+        """Record prompt tokens' logprobs, the first for the token at `first_position`; those
+        already recorded (a chunk recomputed after preemption) are skipped."""
+        skip = len(self.prompt_logprobs) + 1 - first_position
+        if skip >= 0:
+            self.prompt_logprobs.extend(logprobs[skip:])
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + outputs, without building the whole list."""

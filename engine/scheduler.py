@@ -49,6 +49,9 @@ class ScheduledChunk:
     sampling_params: SamplingParams
     history: TokenHistory | None = None  # when `sample` and the params adjust logits or have a guide
     guide: Guide | None = None  # the request's, when it has one (engine.guided)
+    # when the request wants prompt logprobs: the prompt tokens its rows predict, row i's
+    # being the token at start_pos + i + 1 (as many as the chunk has rows before the prompt ends)
+    prompt_targets: list[int] | None = None
 
 
 @dataclass
@@ -172,6 +175,8 @@ class Scheduler:
         of its last token (which must be computed to sample from)."""
         if request.num_computed_tokens or self.block_manager.block_table(request.request_id):
             return []
+        if request.needs_prompt_logprobs:  # every prompt position must be computed
+            return []
         prefix = self.block_manager.cached_prefix(request.token_slice(0, request.num_tokens - 1))
         return prefix
 
@@ -218,4 +223,6 @@ class Scheduler:
             sampling_params=request.sampling_params,
             history=request.history() if request.sampling_params.adjusts_logits or request.guide else None,
             guide=request.guide,
+            prompt_targets=request.token_slice(start + 1, min(start + num_new + 1, request.num_prompt_tokens))
+            if request.needs_prompt_logprobs else None,
         )

@@ -154,6 +154,8 @@ class PrefillService(WorkerServiceBase, pb_grpc.PrefillWorkerServicer):
                                   prefill_worker_id=self.config.worker_id, num_cached_tokens=output.num_cached_tokens)
             if output.outputs[0].logprobs:
                 done.first_logprob.CopyFrom(logprob_to_proto(output.outputs[0].logprobs[0]))
+            if output.prompt_logprobs is not None:
+                done.prompt_logprobs.extend(logprob_to_proto(lp) for lp in output.prompt_logprobs[1:])
             yield pb.PrefillServerMessage(done=done)
             self.kv_bytes_sent += self.layout.kv_bytes(len(ids) - start.num_cached_tokens)
             ack = await asyncio.wait_for(anext(aiter(request_iterator), None),

@@ -226,8 +226,8 @@ def _sampling(body, router: Router, num_prompt_tokens: int) -> SamplingParams:
     unsupported = body.unsupported()
     if unsupported:
         raise APIError(400, unsupported, unsupported.split(":")[0])
-    if getattr(body, "echo", False) or getattr(body, "suffix", None):
-        raise APIError(400, "echo/suffix: not supported", "echo")
+    if getattr(body, "suffix", None):
+        raise APIError(400, "suffix: not supported", "suffix")
     max_len = router.registry.model.max_model_len
     if max_len and num_prompt_tokens >= max_len:
         raise APIError(400, f"prompt has {num_prompt_tokens} tokens but the model's maximum context length "
@@ -251,7 +251,8 @@ def _sampling(body, router: Router, num_prompt_tokens: int) -> SamplingParams:
                               stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
                               logprobs=body.num_logprobs(), presence_penalty=body.presence_penalty,
                               frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-                              min_tokens=body.min_tokens, logit_bias=bias, json_schema=json_schema)
+                              min_tokens=body.min_tokens, logit_bias=bias, json_schema=json_schema,
+                              prompt_logprobs=body.num_logprobs() if getattr(body, "echo", False) else None)
     except ValueError as exc:
         raise APIError(400, str(exc), str(exc).split(" ")[0]) from None
 
@@ -276,7 +277,8 @@ async def _serve(request: Request, router: Router, body, ids: list[int], chat: b
         generations.append(Generation(router, worker_rid, prompt, choice_params, route, decode))
     if body.stream:
         options = body.stream_options or protocol.StreamOptions()
-        stream = responses.sse(router, rid, generations, body.model, chat, options, body.return_token_ids)
+        stream = responses.sse(router, rid, generations, body.model, chat, options, body.return_token_ids,
+                               _echo_text(router, body, ids))
         return StreamingResponse(stream, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     responses.begin(router)
@@ -285,7 +287,18 @@ async def _serve(request: Request, router: Router, body, ids: list[int], chat: b
     finally:
         responses.end(router, generations)
     return JSONResponse(responses.json_body(router, rid, body.model, chat, generations, collected,
-                                            body.return_token_ids))
+                                            body.return_token_ids, _echo_text(router, body, ids)))
+
+
+def _echo_text(router: Router, body, ids: list[int]) -> str | None:
+    """The prompt as completions' `echo` answers it (as sent when it was text), or None."""
+    if not getattr(body, "echo", False):
+        return None
+    prompt = body.prompt[0] if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str) \
+        else body.prompt
+    if isinstance(prompt, str):
+        return prompt
+    return router.tokenizer.decode(ids) if router.tokenizer is not None else ""
 
 
 def _choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:

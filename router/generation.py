@@ -51,6 +51,8 @@ class Delta:
     token_ids: list[int]
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked
+    # the first delta only, when the request asked for prompt logprobs: prompt tokens 1..n-1's
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -158,8 +160,9 @@ class Generation:
             self.result.finish_reason = "length"
             yield Delta(self._detok.flush(), [], "length")
             return
-        params = self.params if not done else dataclasses.replace(
-            self.params, max_tokens=self.params.max_tokens - done, first_position=self.params.first_position + done)
+        params = self.params if not done else dataclasses.replace(  # the first leg sent the prompt's logprobs
+            self.params, max_tokens=self.params.max_tokens - done, first_position=self.params.first_position + done,
+            prompt_logprobs=None)
         prompt = self.prompt if not done else PromptKeys(self.prompt_ids + self.output_ids)
         route = self.route if not done else self._leg_route()
         prefill = router.order_prefill(route, decode)[:2]
@@ -179,6 +182,7 @@ class Generation:
         first = True  # no token from this leg yet
         worker_done = False  # the decode worker ended the request itself
         detok = self._detok
+        prompt_logprobs = None  # to hand on with this leg's first delta
         try:
             async for chunk in call:
                 if first and chunk.token_ids:
@@ -193,6 +197,7 @@ class Generation:
                         self.result.prefilled_by = chunk.prefilled_by
                         self.result.num_cached_tokens = chunk.num_cached_tokens
                         self.result.expected_cached_tokens = self._expected_cached(decode, prefill, chunk.prefilled_by)
+                    prompt_logprobs = self._prompt_logprobs(chunk, decode, params)
                 text = "".join(detok.add_token(t) for t in chunk.token_ids if not detok.stopped)
                 self.result.num_completion_tokens += len(chunk.token_ids)
                 self.output_ids.extend(chunk.token_ids)
@@ -204,10 +209,11 @@ class Generation:
                     # the conversation so far stays cached on the decode worker (all but the
                     # last token, whose KV was never computed): its next turn will look for it
                     index.expect(decode.worker_id, PromptKeys(self.prompt_ids + self.output_ids))
-                    yield Delta(text, list(chunk.token_ids), finish, self._logprobs(chunk, decode))
+                    yield Delta(text, list(chunk.token_ids), finish, self._logprobs(chunk, decode), prompt_logprobs)
                     return
                 if text or chunk.token_ids:
-                    yield Delta(text, list(chunk.token_ids), None, self._logprobs(chunk, decode))
+                    yield Delta(text, list(chunk.token_ids), None, self._logprobs(chunk, decode), prompt_logprobs)
+                    prompt_logprobs = None
             raise self._failed(decode, "ended_early", "ended the stream without a finish reason", 502)
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
@@ -248,6 +254,21 @@ class Generation:
             return [logprob_from_proto(t, m, vocab, want) for t, m in zip(chunk.token_ids, chunk.logprobs, strict=True)]
         except ValueError as exc:
             raise GenerationError(f"decode worker {decode.worker_id} sent bad logprobs: {exc}", 502) from None
+
+    def _prompt_logprobs(self, chunk: pb.GenerateChunk, decode, params: SamplingParams) -> list[TokenLogprob] | None:
+        """A leg's first chunk's prompt logprobs (tokens 1..n-1's), checked, when it asked."""
+        if params.prompt_logprobs is None:
+            return None
+        ids = self.prompt_ids
+        if len(chunk.prompt_logprobs) != len(ids) - 1:
+            raise GenerationError(f"decode worker {decode.worker_id} sent {len(chunk.prompt_logprobs)} prompt "
+                                  f"logprobs for a prompt of {len(ids)} tokens", 502)
+        vocab = self.router.registry.model.vocab_size or None
+        try:
+            return [logprob_from_proto(t, m, vocab, params.prompt_logprobs)
+                    for t, m in zip(ids[1:], chunk.prompt_logprobs, strict=True)]
+        except ValueError as exc:
+            raise GenerationError(f"decode worker {decode.worker_id} sent bad prompt logprobs: {exc}", 502) from None
 
     def _failed(self, decode, reason: str, what: str, status: int = 503) -> Exception:
         """A leg's failure: resumable once it has sent tokens, else the client's error."""

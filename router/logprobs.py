@@ -3,8 +3,10 @@
 Chat (`logprobs: true`, `top_logprobs: k`): `{"content": [{"token", "logprob", "bytes",
 "top_logprobs": [{"token", "logprob", "bytes"}, ...]}, ...], "refusal": null}`.
 Completions (`logprobs: k`): `{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}],
-"text_offset"}`. A token's string is its own decoding; a logprob of -inf (a token that top-k
-or top-p excluded) is written as -9999.0, as vLLM writes it, since JSON has no infinity.
+"text_offset"}`; with `echo`, the prompt's tokens come first, the first of them with `null`
+logprob and alternatives (nothing precedes it), as OpenAI's legacy API and vLLM answer.
+A token's string is its own decoding; a logprob of -inf (a token that top-k or top-p
+excluded) is written as -9999.0, as vLLM writes it, since JSON has no infinity.
 """
 
 from __future__ import annotations
@@ -44,3 +46,18 @@ def completion_logprobs(tokenizer, logprobs: list[TokenLogprob], text_offset: in
     top = [{_token(tokenizer, t): _finite(v) for t, v in lp.top} for lp in logprobs]
     return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in logprobs], "top_logprobs": top,
             "text_offset": offsets}, text_offset
+
+
+def echo_logprobs(tokenizer, prompt_ids: list[int], prompt_logprobs: list[TokenLogprob]) -> tuple[dict, int]:
+    """The completions shape for an echoed prompt (`prompt_logprobs`: one per prompt token
+    after the first); returns it and the offset after the prompt's last token, where the
+    completion's tokens start."""
+    first = _token(tokenizer, prompt_ids[0])
+    rest, offset = completion_logprobs(tokenizer, prompt_logprobs, len(first))
+    return {"tokens": [first, *rest["tokens"]], "token_logprobs": [None, *rest["token_logprobs"]],
+            "top_logprobs": [None, *rest["top_logprobs"]], "text_offset": [0, *rest["text_offset"]]}, offset
+
+
+def joined(first: dict, second: dict) -> dict:
+    """Two consecutive runs of completions-shaped logprobs as one."""
+    return {key: first[key] + second[key] for key in first}

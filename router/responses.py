@@ -20,7 +20,7 @@ from engine.outputs import TokenLogprob
 from router import protocol
 from router.errors import APIError
 from router.generation import Delta, Generation, GenerationError
-from router.logprobs import chat_logprobs, completion_logprobs
+from router.logprobs import chat_logprobs, completion_logprobs, echo_logprobs, joined
 
 _END = object()
 
@@ -32,6 +32,7 @@ class Collected:
     parts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # with echo and logprobs
 
 
 async def merged_deltas(generations: list[Generation]) -> AsyncIterator[tuple[int, Delta]]:
@@ -102,6 +103,7 @@ async def collect(request: Request, generations: list[Generation]) -> list[Colle
             choice.parts.append(delta.text)
             choice.token_ids.extend(delta.token_ids)
             choice.logprobs.extend(delta.logprobs or ())
+            choice.prompt_logprobs.extend(delta.prompt_logprobs or ())
 
     task = asyncio.ensure_future(run())
     client_gone = False
@@ -130,18 +132,21 @@ async def collect(request: Request, generations: list[Generation]) -> list[Colle
 
 
 def json_body(router, rid: str, model: str, chat: bool, generations: list[Generation],
-              collected: list[Collected], return_token_ids: bool) -> dict:
-    """The whole answer of a non-streaming request."""
+              collected: list[Collected], return_token_ids: bool, echo: str | None = None) -> dict:
+    """The whole answer of a non-streaming request; `echo`: the prompt's text, to answer
+    before each completion's (completions' `echo`)."""
     want_logprobs = generations[0].params.logprobs is not None
     choices = []
     for index, (generation, choice) in enumerate(zip(generations, collected, strict=True)):
-        text, finish = "".join(choice.parts), generation.result.finish_reason
+        text, finish = (echo or "") + "".join(choice.parts), generation.result.finish_reason
         entry = {"index": index, "message": {"role": "assistant", "content": text}} if chat \
             else {"index": index, "text": text}
         entry.update(logprobs=None, finish_reason=finish)
-        if want_logprobs:
-            entry["logprobs"] = chat_logprobs(router.tokenizer, choice.logprobs) if chat \
-                else completion_logprobs(router.tokenizer, choice.logprobs, 0)[0]
+        if want_logprobs and chat:
+            entry["logprobs"] = chat_logprobs(router.tokenizer, choice.logprobs)
+        elif want_logprobs:
+            entry["logprobs"] = _completion_logprobs(router, generation, choice.logprobs, choice.prompt_logprobs,
+                                                     echo is not None, 0)[0]
         if return_token_ids:
             entry["token_ids"] = choice.token_ids
         choices.append(entry)
@@ -149,15 +154,28 @@ def json_body(router, rid: str, model: str, chat: bool, generations: list[Genera
             "model": model, "choices": choices, "usage": usage(generations)}
 
 
+def _completion_logprobs(router, generation: Generation, logprobs: list[TokenLogprob],
+                         prompt_logprobs: list[TokenLogprob] | None, echo: bool, text_offset: int) -> tuple[dict, int]:
+    """Completions-shaped logprobs of `logprobs` from `text_offset`, after the echoed
+    prompt's when `echo` (then `prompt_logprobs` holds prompt tokens 1..n-1's)."""
+    if not echo:
+        return completion_logprobs(router.tokenizer, logprobs, text_offset)
+    prompt_part, text_offset = echo_logprobs(router.tokenizer, generation.prompt_ids, prompt_logprobs or [])
+    rest, text_offset = completion_logprobs(router.tokenizer, logprobs, text_offset)
+    return joined(prompt_part, rest), text_offset
+
+
 async def sse(router, rid: str, generations: list[Generation], model: str, chat: bool,
-              options: protocol.StreamOptions, return_token_ids: bool):
+              options: protocol.StreamOptions, return_token_ids: bool, echo: str | None = None):
     """The SSE stream of a request: chunks (each naming its choice's index), then (with
     `include_usage`) a usage chunk, then `[DONE]`; with `continuous_usage_stats` too, every
-    chunk carries the usage so far."""
+    chunk carries the usage so far. `echo`: the prompt's text, which each choice's first
+    chunk starts with (with its logprobs, when asked)."""
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
     continuous = options.include_usage and options.continuous_usage_stats
     text_offsets = [0] * len(generations)  # completions logprobs: where each choice's next token starts
+    to_echo = [echo is not None] * len(generations)
 
     def event(payload: dict) -> bytes:
         if continuous and payload.get("choices"):
@@ -169,7 +187,8 @@ async def sse(router, rid: str, generations: list[Generation], model: str, chat:
             content = {"content": delta.text} if delta.text else {}
             chunk = protocol.chat_chunk(rid, model, created, content, delta.finish_reason)
         else:
-            chunk = protocol.completion_chunk(rid, model, created, delta.text, delta.finish_reason)
+            text = (echo if to_echo[index] else "") + delta.text
+            chunk = protocol.completion_chunk(rid, model, created, text, delta.finish_reason)
         choice = chunk["choices"][0]
         choice["index"] = index
         if return_token_ids:
@@ -178,8 +197,10 @@ async def sse(router, rid: str, generations: list[Generation], model: str, chat:
             if chat:
                 choice["logprobs"] = chat_logprobs(router.tokenizer, delta.logprobs)
             else:
-                choice["logprobs"], text_offsets[index] = completion_logprobs(router.tokenizer, delta.logprobs,
-                                                                              text_offsets[index])
+                choice["logprobs"], text_offsets[index] = _completion_logprobs(
+                    router, generations[index], delta.logprobs, delta.prompt_logprobs, to_echo[index],
+                    text_offsets[index])
+        to_echo[index] = False
         return chunk
 
     begin(router)  # counted from the first iteration: a stream never started holds nothing

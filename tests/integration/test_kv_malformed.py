@@ -59,6 +59,8 @@ class MisbehavingPrefill(pb_grpc.PrefillWorkerServicer):
             done.first_logprob.CopyFrom(pb.TokenLogprob(logprob=0.5, top_token_ids=[7, 8], top_logprobs=[-1, -2]))
         elif self.mode == "short_top_logprobs":
             done.first_logprob.CopyFrom(pb.TokenLogprob(logprob=-0.5, top_token_ids=[7], top_logprobs=[-0.5]))
+        elif self.mode == "missing_prompt_logprobs":  # a request asking for prompt logprobs: one short
+            done.prompt_logprobs.extend([pb.TokenLogprob(logprob=-1.0)] * (n - 2))
         yield pb.PrefillServerMessage(done=done)
         await anext(aiter(request_iterator), None)
 
@@ -89,6 +91,8 @@ def expected(tiny_llama_dir):
         ("missing_logprob", "grpc", "sent no logprob for the first token of a request that asked"),
         ("positive_logprob", "grpc", "sent bad logprobs: a logprob is positive or NaN"),
         ("short_top_logprobs", "grpc", "sent bad logprobs: a token's logprobs carry 1 ids and 1 values, expected 2"),
+        ("missing_prompt_logprobs", "grpc", f"sent {len(PROMPT) - 2} prompt logprobs for a prompt of {len(PROMPT)} "
+                                            f"tokens (expected {len(PROMPT) - 1})"),
     ],
 )
 def test_malformed_kv_is_rejected_and_the_request_still_completes(decode, expected, mode, transport, logged):
@@ -101,9 +105,11 @@ def test_malformed_kv_is_rejected_and_the_request_still_completes(decode, expect
             port = server.add_insecure_port("127.0.0.1:0")
             await server.start()
             try:
-                asks = 2 if mode.endswith("logprob") or mode.endswith("logprobs") else None
-                result = await collect(d_stub, generate_request(
-                    f"bad-{mode}", PROMPT, 6, [f"127.0.0.1:{port}"], transport, logprobs=asks))
+                asks = 2 if mode.endswith("logprob") or mode.endswith("top_logprobs") else None
+                request = generate_request(f"bad-{mode}", PROMPT, 6, [f"127.0.0.1:{port}"], transport, logprobs=asks)
+                if mode == "missing_prompt_logprobs":
+                    request.sampling.prompt_logprobs = 0
+                result = await collect(d_stub, request)
                 stats = await wait_idle(d_stub)
             finally:
                 await server.stop(0)

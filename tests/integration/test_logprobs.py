@@ -44,6 +44,24 @@ def test_greedy_logprobs_are_the_models_log_softmax(fp32_engine, tiny_llama_dir)
         assert lp.top[0][0] == lp.token_id, "greedy picks the most likely token"
 
 
+@pytest.mark.parametrize("budget", [2048, 7], ids=["one-chunk", "chunks-of-7"])
+def test_prompt_logprobs_are_the_models_log_softmax(tiny_llama_dir, budget):
+    """Each prompt token's logprob given the tokens before it, chunked or not, and again
+    when the prompt is in the prefix cache (a scoring request computes it all again)."""
+    llm = LLM(str(tiny_llama_dir), dtype="float32", kv_cache_bytes=64 << 20, max_num_batched_tokens=budget)
+    reference = torch.log_softmax(_hf_logits(tiny_llama_dir, PROMPT), dim=-1)
+    for _ in range(2):
+        [out] = llm.generate([PROMPT], SamplingParams(max_tokens=1, prompt_logprobs=2))
+        scored = out.prompt_logprobs
+        assert scored[0] is None and len(scored) == len(PROMPT)
+        for i, lp in enumerate(scored[1:], start=1):
+            row = reference[i - 1]
+            assert lp.token_id == PROMPT[i] and abs(lp.logprob - row[PROMPT[i]].item()) < 1e-4, i
+            assert [t for t, _ in lp.top] == row.topk(2).indices.tolist()
+    [cached] = llm.generate([PROMPT], SamplingParams(max_tokens=1))
+    assert cached.num_cached_tokens > 0 and cached.prompt_logprobs is None, "the prompt was cached after all"
+
+
 def _reference_sampled(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     """The formula, written out: softmax(logits / T); keep the most likely tokens until their
     mass reaches top_p (the one crossing it included); renormalise; log."""
@@ -169,6 +187,49 @@ def test_chat_logprobs_on_every_path(served, offline, stream):
         assert all(_close(t.logprob, v) for t, (_, v) in zip(entry.top_logprobs, lp.top, strict=True))
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_echo_returns_the_prompt_and_its_logprobs_on_every_path(served, offline, stream):
+    """Completions `echo` with `logprobs` (what evaluation harnesses score with): the text
+    starts with the prompt, and the logprobs with the prompt's tokens, the first null (as
+    OpenAI answers; the openai client's Logprobs model, which types them as floats, is
+    built without validation, as in the client test below)."""
+    prompt = "The quick brown fox jumps over the lazy dog"
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 3, "ignore_eos": True, "logprobs": 1, "echo": True,
+            "temperature": 0.0, "stream": stream}
+    status, out, _ = post(served["url"] + "/v1/completions", body)
+    assert status == 200, out
+    choices = [e["choices"][0] for e in out["events"]] if stream else [out["choices"][0]]
+    parsed = [c["logprobs"] for c in choices if c["logprobs"]]
+    token_logprobs = [v for lp in parsed for v in lp["token_logprobs"]]
+    tops = [t for lp in parsed for t in lp["top_logprobs"]]
+    tokens = [t for lp in parsed for t in lp["tokens"]]
+    offsets = [o for lp in parsed for o in lp["text_offset"]]
+    tokenizer = offline.get_tokenizer()
+    ids = tokenizer.encode(prompt)
+    [reference] = offline.generate([prompt], SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0,
+                                                            logprobs=1, prompt_logprobs=1))
+    expected = reference.prompt_logprobs[1:] + reference.outputs[0].logprobs
+    assert "".join(c["text"] for c in choices) == prompt + reference.text
+    assert tokens == [tokenizer.decode([t]) for t in ids + reference.token_ids]
+    assert token_logprobs[0] is None and tops[0] is None and len(token_logprobs) == len(ids) + 3
+    assert all(_close(v, lp.logprob) for v, lp in zip(token_logprobs[1:], expected, strict=True)), served["path"]
+    for top, lp in zip(tops[1:], expected, strict=True):
+        assert list(top) == [tokenizer.decode([t]) for t, _ in lp.top]
+        assert _close(next(iter(top.values())), lp.top[0][1])
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+
+
+def test_echo_without_logprobs_and_through_the_openai_client(served):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=served["url"] + "/v1", api_key="unused")
+    plain = client.completions.create(model="tiny", prompt="Hello there", max_tokens=2, echo=True)
+    assert plain.choices[0].text.startswith("Hello there") and plain.choices[0].logprobs is None
+    scored = client.completions.create(model="tiny", prompt="Hello there", max_tokens=1, echo=True, logprobs=0)
+    assert scored.choices[0].logprobs.token_logprobs[0] is None
+    assert all(v <= 0 for v in scored.choices[0].logprobs.token_logprobs[1:])
+
+
 ADJUSTED = {"presence_penalty": 0.4, "frequency_penalty": 0.8, "repetition_penalty": 1.2, "min_tokens": 3}
 
 
@@ -252,5 +313,5 @@ def test_every_request_took_its_path(served):
     decisions = dict(stats.prefill_decisions)
     where = "local" if served["path"] == "local" else "remote"
     assert stats.num_failed_transfers == 0, (decisions, served["decode"].log()[-3000:])
-    served_here = 4 + 2 + 2 + 1 + 1  # the completions, chat, penalties, min_tokens, openai-client tests' requests
+    served_here = 4 + 2 + 2 + 2 + 2 + 1 + 1  # completions, echo, echo+client, chat, penalties, min_tokens, client
     assert sum(decisions.values()) == served_here and all(k.startswith(where + "/") for k in decisions), decisions

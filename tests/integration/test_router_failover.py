@@ -109,11 +109,12 @@ def test_a_decode_worker_killed_mid_stream_is_resumed_token_exact(killable, samp
 def test_a_resumed_stream_carries_the_unbroken_runs_logprobs_and_penalties(killable):
     """Logprobs and penalties across a migration: the tokens before the kill come from the
     first decode worker, the rest from the one it resumed on, whose penalties count the
-    tokens the first one generated; all equal an unbroken run's."""
+    tokens the first one generated; all equal an unbroken run's. With `echo`, the prompt's
+    logprobs come once, from the first leg (the resumed one does not score it again)."""
     router, decode = killable
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 120, "ignore_eos": True, "temperature": 0.9,
             "top_p": 0.9, "seed": 77, "logprobs": 2, "frequency_penalty": 0.6, "presence_penalty": 0.3,
-            "repetition_penalty": 1.1}
+            "repetition_penalty": 1.1, "echo": True}
     reference_logprobs, logprobs = [], []
     reference, *_ = asyncio.run(_stream_ids(router.url, body, logprobs=reference_logprobs))
     migrations_before = metric(router.url, 'pdserve_migrations_total{reason="unavailable"}')
@@ -125,8 +126,9 @@ def test_a_resumed_stream_carries_the_unbroken_runs_logprobs_and_penalties(killa
                                                              logprobs=logprobs))
     assert not errors and done and finishes == ["length"], (errors, finishes)
     assert metric(router.url, 'pdserve_migrations_total{reason="unavailable"}') == migrations_before + 1
-    assert ids == reference and len(logprobs) == len(reference_logprobs) == 120
-    for (value, top), (expected, expected_top) in zip(logprobs, reference_logprobs, strict=True):
+    assert ids == reference and len(logprobs) == len(reference_logprobs) == len(PROMPT) + 120
+    assert logprobs[0] == reference_logprobs[0] == (None, None)  # the first prompt token's
+    for (value, top), (expected, expected_top) in zip(logprobs[1:], reference_logprobs[1:], strict=True):
         assert abs(value - expected) < 1e-5 and top.keys() == expected_top.keys()
         assert all(abs(top[k] - expected_top[k]) < 1e-5 for k in top)
 
