@@ -37,9 +37,17 @@ def schema_error(schema: str) -> str | None:
 
     try:
         grammar = LLMatcher.grammar_from_json_schema(schema, defaults=_OPTIONS)
-    except ValueError as e:
-        return str(e)
-    return LLMatcher.validate_grammar(grammar) or None
+        return LLMatcher.validate_grammar(grammar) or None
+    except BaseException as e:  # any failure to compile is the schema's fault
+        if not _is_failure(e):
+            raise
+        return str(e).split("\n")[0] or type(e).__name__
+
+
+def _is_failure(e: BaseException) -> bool:
+    """An Exception, or a panic in the grammar library's Rust code (pyo3's PanicException, a
+    BaseException so that `except Exception` misses it; seen on odd schemas while fuzzing)."""
+    return isinstance(e, Exception) or type(e).__name__ == "PanicException"
 
 
 class GuideFactory:

@@ -194,7 +194,11 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_
                     max_leaves=10)
 FIELDS = {"model": st.sampled_from(["tiny", "other", ""]) | JSON, "prompt": JSON | st.lists(st.integers(), max_size=5),
           "max_tokens": st.integers(-5, 3) | JSON, "temperature": JSON, "top_p": JSON, "top_k": JSON,
-          "seed": JSON, "stop": JSON, "stream": st.booleans() | JSON, "messages": JSON, "n": JSON}
+          "seed": JSON, "stop": JSON, "stream": st.booleans() | JSON, "messages": JSON, "n": JSON,
+          "echo": st.booleans() | JSON, "logprobs": st.integers(-1, 3) | JSON,
+          "response_format": JSON | st.fixed_dictionaries(
+              {"type": st.sampled_from(["text", "json_object", "json_schema", "yaml"])},
+              optional={"json_schema": JSON | st.fixed_dictionaries({"schema": JSON})})}
 
 
 def _answer(url: str, body, chat: bool) -> tuple[int, dict]:
