@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import os
 
+from protos import tracing
+
 
 def _pin_threads(cpu_affinity: list[int] | None) -> int:
     """Give torch as many threads as this worker has cores: its pinned cores when the pool
@@ -95,6 +97,7 @@ class WorkerActor:
         if self.server is not None:
             await self.server.stop(grace=1)
             await self.service.stop()
+        await asyncio.to_thread(tracing.flush)  # Ray ends the process without running atexit
 
 
 class RouterActor:
@@ -155,3 +158,4 @@ class RouterActor:
         if self.server is not None:
             self.server.should_exit = True
             await asyncio.wait_for(asyncio.shield(self.task), timeout=10)
+        await asyncio.to_thread(tracing.flush)

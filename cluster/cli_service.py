@@ -33,6 +33,9 @@ def add_commands(sub) -> None:
     status = sub.add_parser("status", help="pools, workers, load and KV usage")
     status.add_argument("--address", default=None, help=ADDRESS_HELP)
     status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument("--watch", action="store_true", help="refresh the table until Ctrl-C (like `watch`)")
+    status.add_argument("--interval", type=float, default=2.0, metavar="SECONDS",
+                        help="seconds between refreshes with --watch (default: 2)")
     status.set_defaults(func=_status)
 
     scale = sub.add_parser("scale", help="resize the prefill and/or decode pool")
@@ -163,10 +166,47 @@ def _dtypes(status: dict) -> str:
 def _status(args) -> int:
     import ray
 
-    status = ray.get(_controller(args.address).status.remote())
+    if args.watch and args.interval <= 0:
+        raise ValueError(f"--interval must be > 0, got {args.interval}")
+    controller = _controller(args.address)
+    if args.watch:
+        return watch_status(lambda: ray.get(controller.status.remote(), timeout=30), args.interval, args.json)
+    status = ray.get(controller.status.remote())
     if args.json:
         print(json.dumps(status, indent=2))
         return 0
+    print_status(status)
+    return 0
+
+
+CLEAR_SCREEN = "\x1b[H\x1b[2J"
+
+
+def watch_status(fetch, interval_s: float, as_json: bool = False, sleep=time.sleep) -> int:
+    """Fetch and print the status every `interval_s` on a cleared screen until Ctrl-C; a
+    fetch that fails (the controller restarting) is shown and tried again next time."""
+    try:
+        while True:
+            try:
+                status = fetch()
+            except Exception as exc:  # noqa: BLE001 - shown, retried at the next refresh
+                status, error = None, _root_cause(exc)
+            print(CLEAR_SCREEN + f"pdserve status, every {interval_s:g}s ({time.strftime('%H:%M:%S')}; "
+                  "Ctrl-C to stop)")
+            if status is None:
+                print(f"status unavailable: {error}")
+            elif as_json:
+                print(json.dumps(status, indent=2))
+            else:
+                print_status(status)
+            sys.stdout.flush()
+            sleep(interval_s)
+    except KeyboardInterrupt:
+        print()
+        return 0
+
+
+def print_status(status: dict) -> None:
     print(f"router: {status['router']}   model: {status['model']}")
     routing = status.get("routing") or {}
     index = routing.get("index", {})
@@ -202,7 +242,6 @@ def _status(args) -> int:
     for e in status["events"][-8:]:
         print(f"  {time.strftime('%H:%M:%S', time.localtime(e['time']))} {e['role']:8} {e['event']:12} "
               f"{e['worker_id']} {e['detail']}")
-    return 0
 
 
 def _scale(args) -> int:

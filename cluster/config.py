@@ -80,6 +80,13 @@ class TLSSpec(BaseModel):
     ca_file: str | None = Field(None, description="CA that signed it (default: the certificate itself)")
 
 
+class TracingSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    otlp_endpoint: str | None = Field(None, description="export OpenTelemetry traces of every request over "
+                                      "OTLP/gRPC to this collector, e.g. http://127.0.0.1:4317 (https:// for TLS), "
+                                      "like vLLM's --otlp-traces-endpoint; null: no tracing")
+
+
 class AutoscalerSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     enabled: bool = False
@@ -123,6 +130,7 @@ class ServeConfig(BaseModel):
     prefill: PoolSpec = Field(default_factory=PoolSpec)
     decode: PoolSpec = Field(default_factory=PoolSpec)
     autoscaler: AutoscalerSpec = Field(default_factory=AutoscalerSpec)
+    tracing: TracingSpec = Field(default_factory=TracingSpec)
 
     @field_validator("decode")
     @classmethod

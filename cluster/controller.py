@@ -94,8 +94,10 @@ class Controller:
                              max_migrations=cfg.router.max_migrations,
                              migration_wait_s=cfg.router.migration_wait_s,
                              security=cfg.security(), api_keys=api_keys_from(cfg.router.api_keys),
+                             otlp_traces_endpoint=cfg.tracing.otlp_endpoint,
                              metrics_require_key=cfg.router.metrics_require_key,
-                             https_cert_file=cfg.router.https_cert_file, https_key_file=cfg.router.https_key_file)
+                             https_cert_file=cfg.router.https_cert_file, https_key_file=cfg.router.https_key_file,
+                             ttft_slo_s=cfg.autoscaler.ttft_slo_s, tpot_slo_s=cfg.autoscaler.tpot_slo_s)
         self.router = ray.remote(RouterActor).options(
             name="pdserve-router", namespace=NAMESPACE, num_cpus=0, lifetime="detached",
             runtime_env={"env_vars": dict(cfg.env)}).remote()
@@ -133,8 +135,10 @@ class Controller:
         for w, s in zip(records, all_stats, strict=True):
             pools[w.role]["workers"].append({**w.member(), "pid": w.pid, "dtype": w.dtype,
                                              "num_threads": w.num_threads, "stats": s})
+        spec = self.config.autoscaler
         autoscaler = {"enabled": self.autoscaler is not None, "overridden": sorted(self.manual),
-                      "decisions": list(self.decisions)[-5:]}
+                      "decisions": list(self.decisions)[-5:],
+                      "slo": {"ttft_s": spec.ttft_slo_s, "tpot_s": spec.tpot_slo_s, "percentile": spec.percentile}}
         try:
             routing = await asyncio.wait_for(self.router.routing_summary.remote(), 3) if self.router else None
         except Exception:  # noqa: BLE001 - shown as unknown
@@ -180,6 +184,18 @@ class Controller:
             while any(w.state == "draining" for w in self.workers.values()):
                 await asyncio.sleep(0.1)
         return {role: self.targets[role] for role in ROLES}
+
+    async def drain(self, worker_id: str) -> dict | None:
+        """Drain one ready worker (an operator's: a slow or suspect one) and start its
+        replacement, so the pool keeps its target (scale down to shrink a pool). Returns
+        the worker as `members()` shows it, or None when no ready worker has this id."""
+        w = next((w for w in self.workers.values() if w.worker_id == worker_id and w.state == "ready"), None)
+        if w is None:
+            return None
+        asyncio.get_running_loop().create_task(self._drain(w))
+        await asyncio.sleep(0)  # the drain task marks it draining before its first await
+        self._reconcile()
+        return w.member()
 
     async def clear_override(self) -> None:
         """Hand every pool back to the autoscaler."""
@@ -241,6 +257,7 @@ class Controller:
         record = WorkerRecord(role, handle, next(self._keys))
         self.workers[record.key] = record
         worker_kwargs = {"kv_transfer_timeout_s": cfg.kv_transfer_timeout_s,
+                         "otlp_traces_endpoint": cfg.tracing.otlp_endpoint,
                          "kv_send_deadline_s": cfg.kv_send_deadline_s, "security": cfg.security(),
                          "local_prefill_max_tokens": cfg.local_prefill_max_tokens,
                          "prefill_profile": cfg.prefill_profile, "max_queued_requests": cfg.max_queued_requests}

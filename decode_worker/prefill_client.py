@@ -14,6 +14,7 @@ left the pool leave no channel behind.
 from __future__ import annotations
 
 import asyncio
+import sys
 from dataclasses import dataclass
 
 import grpc
@@ -24,6 +25,7 @@ from kv_transfer.layout import KVLayout
 from kv_transfer.reservations import TransferError
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
+from protos import tracing
 from protos.channel import open_channel
 from protos.convert import logprob_from_proto, sampling_to_proto
 
@@ -94,7 +96,10 @@ class PrefillClient:
         reservation = service.table.register(
             request_id, block_table, len(ids), peer=peer.worker_id if transport == "torch" else "",
             on_done=thread_safe_notifier(loop, kv_complete), num_cached_tokens=num_cached_tokens)
-        call = peer.stub.Prefill()
+        call = peer.stub.Prefill(metadata=tracing.metadata())  # the current span: the decode worker's prefill leg
+        transfer = tracing.start_span("pdserve.kv_transfer", request_id=request_id, kv_transport=transport,
+                                      direction="receive", peer=peer.worker_id,
+                                      kv_bytes=service.layout.kv_bytes(len(ids) - num_cached_tokens))
         completed = False
         try:
             start = pb.PrefillRequest(
@@ -111,10 +116,13 @@ class PrefillClient:
             await kv_complete
             if reservation.error is not None:
                 raise TransferError(reservation.error)
+            tracing.end(transfer)
             await call.write(pb.PrefillClientMessage(ack=pb.KVAck(transfer_id=reservation.transfer_id, ok=True)))
             await call.done_writing()
             completed = True
             service.kv_bytes_received += service.layout.kv_bytes(len(ids) - num_cached_tokens)
+            service.transfers.succeeded(transport, "receive", service.layout.kv_bytes(len(ids) - num_cached_tokens),
+                                        reservation.transfer_seconds)
             return Prefilled(done.first_token, done.prefill_worker_id, done.num_cached_tokens, first_logprob,
                              prompt_logprobs)
         except grpc.aio.AioRpcError as exc:
@@ -122,6 +130,7 @@ class PrefillClient:
                 self._forget(peer)
             raise
         finally:
+            tracing.end(transfer, sys.exc_info()[1])
             service.table.release(reservation.transfer_id)
             if not completed:
                 call.cancel()

@@ -21,6 +21,7 @@ import asyncio
 import dataclasses
 import logging
 import random
+import sys
 from collections import deque
 
 import grpc
@@ -34,9 +35,11 @@ from kv_transfer.base import check_transport_name
 from kv_transfer.reservations import ReservationTable
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
+from protos import tracing
 from protos.convert import logprob_to_proto, sampling_from_proto
 from worker_base.config import WorkerConfig
 from worker_base.service import WorkerServiceBase
+from worker_base.telemetry import failure_reason
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +111,7 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context):
         request_id = request.request_id
+        tracing.annotate(request_id=request_id, num_prompt_tokens=len(request.prompt_token_ids))
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker is draining")
         try:
@@ -128,6 +132,7 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
                         request.prefill_queued_tokens))
         self._admissions[request_id] = admission
         finished = False
+        phase = tracing.NO_SPAN  # the stage under way, traced: prefill here until the first token, then decode
         try:
             try:
                 first, prefilled_by = await admission
@@ -144,14 +149,21 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
                 return  # `finally` below aborts it in the engine and frees its blocks
             if first is not None:
                 finished = first.finished
+                tracing.add_event("first_token", prefilled_by=prefilled_by)
                 yield self._chunk(first, prefilled_by)
             first_chunk = first is None
+            phase = tracing.start_span("pdserve.prefill" if first_chunk else "pdserve.decode", request_id=request_id)
             while not finished:
                 output = await outputs.get()
                 finished = output.finished
+                if first_chunk:
+                    tracing.end(phase)
+                    tracing.add_event("first_token", prefilled_by="local")
+                    phase = tracing.start_span("pdserve.decode", request_id=request_id)
                 yield self._chunk(output, prefilled_by if first_chunk else "")
                 first_chunk = False
         finally:
+            tracing.end(phase, sys.exc_info()[1])
             self.aengine.listeners.pop(request_id, None)
             self._abort_requested.discard(request_id)
             if not finished:  # client gone or error: abort wherever the request is
@@ -178,8 +190,10 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
             cached = self.engine.cached_prompt_tokens(ids) if addresses else 0
             where, reason = self._where_to_prefill(len(ids), cached, bool(addresses), prefill_queued_tokens)
         self._decided(where, reason)
+        tracing.annotate(prefill_where=where, prefill_reason=reason)
         if where == "remote":
-            cached = await self._reserve(request_id, ids)
+            with tracing.span("pdserve.queue", request_id=request_id):  # waiting for KV blocks
+                cached = await self._reserve(request_id, ids)
             self._awaiting_kv.add(request_id)
             try:
                 output = await self._prefill_remotely(request_id, ids, params, addresses, transport, cached)
@@ -202,13 +216,16 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
         one of them sends. None when both failed (the blocks stay reserved)."""
         for address in addresses[:2]:
             try:
-                prefilled = await asyncio.wait_for(
-                    self.prefill.run(address, request_id, ids, params, transport, cached),
-                    timeout=self.config.kv_transfer_timeout_s)
+                with tracing.span("pdserve.prefill_leg", client=True, request_id=request_id, prefill_address=address,
+                                  kv_transport=transport, num_cached_tokens=cached):  # its call's parent
+                    prefilled = await asyncio.wait_for(
+                        self.prefill.run(address, request_id, ids, params, transport, cached),
+                        timeout=self.config.kv_transfer_timeout_s)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - any failure: next prefill worker
                 self.num_failed_legs += 1
+                self.transfers.failed(transport, "receive", failure_reason(exc))
                 logger.warning("request_id=%s prefill leg on %s failed: %s", request_id,
                                address, str(exc) or type(exc).__name__)  # a timeout's str() is ""
                 continue

@@ -16,9 +16,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.stats import Histogram
 
 logger = logging.getLogger(__name__)
 Listener = Callable[[RequestOutput], None]
+STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 class AsyncEngine:
@@ -34,6 +37,8 @@ class AsyncEngine:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         self._task: asyncio.Task | None = None
         self._step_started: float | None = None  # time.monotonic() when the running step began
+        self.step_seconds = Histogram(STEP_SECONDS_BUCKETS)  # each step's wall time
+        self.batch_size = Histogram(BATCH_SIZE_BUCKETS)  # the sequences each step computed
 
     def start(self) -> None:
         if self.stats_fn is not None:
@@ -58,7 +63,7 @@ class AsyncEngine:
                 if not self.engine.has_unfinished_requests():
                     self._wake.clear()
                     continue
-                self._step_started = time.monotonic()
+                started = self._step_started = time.monotonic()
                 try:
                     outputs = await loop.run_in_executor(self._executor, self.engine.step)
                 except Exception:
@@ -66,6 +71,8 @@ class AsyncEngine:
                     outputs = self._abort_all()
                 finally:
                     self._step_started = None
+                self.step_seconds.observe(time.monotonic() - started)
+                self.batch_size.observe(self.engine.last_step_sequences)
                 if self.stats_fn is not None:
                     self._snapshot = self.stats_fn()
             for output in outputs:

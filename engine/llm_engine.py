@@ -43,6 +43,9 @@ class LLMEngine:
         self._guides = GuideFactory(self.loaded.tokenizer, self.loaded.shape.vocab_size)
         self._tracked: dict[str, _Tracked] = {}
         self._seed_source = random.Random(config.seed)
+        self.last_step_sequences = 0  # requests the last step computed tokens of
+        self.num_prefill_tokens_computed = 0  # prompt positions computed (chunked prefill)
+        self.num_decode_tokens_computed = 0  # positions of generated tokens computed
 
     @property
     def tokenizer(self):
@@ -166,6 +169,7 @@ class LLMEngine:
                 raise RuntimeError("scheduler made no progress with requests pending")
             return []
         result = self.runner.execute(scheduled)
+        self._count_step(scheduled)
         for request_id, (position, logprobs) in result.prompt_logprobs.items():
             self._tracked[request_id].request.add_prompt_logprobs(position, logprobs)
         self.scheduler.update(scheduled, result.sampled)
@@ -174,6 +178,16 @@ class LLMEngine:
             tracked = self._tracked[request_id]
             outputs.append(self._after_token(tracked, token, result.logprobs.get(request_id)))
         return outputs
+
+    def _count_step(self, scheduled) -> None:
+        self.last_step_sequences = len(scheduled.chunks)
+        for chunk in scheduled.chunks:
+            request = self.scheduler.requests.get(chunk.request_id)
+            if request is None:
+                continue
+            prompt = max(0, min(chunk.start_pos + len(chunk.token_ids), request.num_prompt_tokens) - chunk.start_pos)
+            self.num_prefill_tokens_computed += prompt
+            self.num_decode_tokens_computed += len(chunk.token_ids) - prompt
 
     def _after_token(self, tracked: _Tracked, token: int, logprob: TokenLogprob | None = None) -> RequestOutput:
         request, detok = tracked.request, tracked.detokenizer

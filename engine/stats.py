@@ -11,3 +11,22 @@ def percentile(values: Iterable[float], q: float) -> float | None:
     if not ordered:
         return None
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+class Histogram:
+    """Cumulative observations in fixed buckets, as Prometheus keeps them: `counts[i]` is
+    how many were <= `bounds[i]` and above the bound before (the last, past every bound)."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        index = next((i for i, bound in enumerate(self.bounds) if value <= bound), len(self.bounds))
+        self.counts[index] += 1
+        self.sum += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -40,6 +41,15 @@ class Reservation:
     complete: bool = False
     done: threading.Event = field(default_factory=threading.Event)
     num_cached_tokens: int = 0  # positions [0, this) the receiver holds already
+    first_write_at: float | None = None  # time.monotonic() of the first piece written
+    completed_at: float | None = None  # and of the last
+
+    @property
+    def transfer_seconds(self) -> float | None:
+        """From the first piece to the last (None if nothing was shipped: all cached)."""
+        if self.first_write_at is None or self.completed_at is None:
+            return None
+        return self.completed_at - self.first_write_at
 
 
 class ReservationTable:
@@ -115,8 +125,11 @@ class ReservationTable:
                 for half in range(2):
                     self._rows[layer][half].index_copy_(0, slots, kv[half].to(self._device))
             res.received[layer, token_start:end] = True
+            if res.first_write_at is None:
+                res.first_write_at = time.monotonic()
             if res.received.all():
                 res.complete = True
+                res.completed_at = time.monotonic()
                 self._signal(res)
 
     def _scatter_host(self, layer: int, slots: np.ndarray, kv: np.ndarray) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import sys
 from dataclasses import dataclass
 
 import grpc
@@ -35,9 +36,11 @@ from kv_transfer.grpc_transport import GrpcStreamSender
 from kv_transfer.layout import KVLayout
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
+from protos import tracing
 from protos.convert import logprob_to_proto, sampling_from_proto
 from worker_base.config import WorkerConfig
 from worker_base.service import WorkerServiceBase
+from worker_base.telemetry import Stopwatch
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +56,7 @@ class _Shipment:
     skip_below: int = 0  # the decode worker holds positions [0, skip_below)
     shipped: dict[int, int] = dataclasses.field(default_factory=dict)  # layer -> positions below are shipped
     error: str | None = None
+    stopwatch: Stopwatch = dataclasses.field(default_factory=Stopwatch)  # started at the first piece sent
 
     def plan(self, layer: int, token_start: int, num_tokens: int) -> tuple[int, int]:
         """For a chunk of `num_tokens` computed at `token_start`: (`from_cache`, `cut`): ship
@@ -104,6 +108,8 @@ class PrefillService(WorkerServiceBase, pb_grpc.PrefillWorkerServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         request_id = start.request_id
+        tracing.annotate(request_id=request_id, num_prompt_tokens=len(ids), num_cached_tokens=start.num_cached_tokens,
+                         kv_transport=transport)
         # _streams too: a torch leg is registered there while it joins its KV pair, before it ships
         if request_id in self._streams or request_id in self._shipments:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is in use")
@@ -127,6 +133,7 @@ class PrefillService(WorkerServiceBase, pb_grpc.PrefillWorkerServicer):
             try:
                 sender = await asyncio.to_thread(self.torch_transport.connect, start.kv_endpoint)
             except Exception as exc:  # noqa: BLE001 - cannot reach the decode worker
+                self.transfers.failed(transport, "send", "connect")
                 raise _LegFailed(f"KV transport: {exc}") from exc
         else:
             sender = GrpcStreamSender(loop, self.layout, _kv_chunk,
@@ -135,6 +142,10 @@ class PrefillService(WorkerServiceBase, pb_grpc.PrefillWorkerServicer):
         first_token: asyncio.Future = loop.create_future()
         self._shipments[request_id] = shipment
         self.aengine.listeners[request_id] = lambda out: _resolve(first_token, out)
+        computing = tracing.start_span("pdserve.prefill", request_id=request_id)  # queued and computed
+        transfer = tracing.start_span("pdserve.kv_transfer", request_id=request_id, kv_transport=transport,
+                                      direction="send",
+                                      kv_bytes=self.layout.kv_bytes(len(ids) - start.num_cached_tokens))
         try:
             async with self.aengine.lock:
                 self.engine.add_request(request_id, ids, params, detokenize=False)
@@ -144,12 +155,18 @@ class PrefillService(WorkerServiceBase, pb_grpc.PrefillWorkerServicer):
                 async for chunk in sender.messages():
                     yield pb.PrefillServerMessage(kv=chunk)
             output = await first_token
+            tracing.end(computing)
+            tracing.add_event("first_token")
             if output.finish_reason == "abort":
                 raise _LegFailed("prefill aborted")
             if not shipment.error:  # a failed transfer's pieces may wait behind a peer not reading
                 await sender.flush(shipment.transfer_id)
             if shipment.error:
+                self.transfers.failed(transport, "send", "send_failed")
                 raise _LegFailed(f"KV transfer failed: {shipment.error}")
+            self.transfers.succeeded(transport, "send", self.layout.kv_bytes(len(ids) - start.num_cached_tokens),
+                                     shipment.stopwatch.seconds())
+            tracing.end(transfer)
             done = pb.PrefillDone(first_token=output.token_ids[0], num_prompt_tokens=len(ids),
                                   prefill_worker_id=self.config.worker_id, num_cached_tokens=output.num_cached_tokens)
             if output.outputs[0].logprobs:
@@ -163,6 +180,8 @@ class PrefillService(WorkerServiceBase, pb_grpc.PrefillWorkerServicer):
             if ack is None or not ack.HasField("ack") or not ack.ack.ok:
                 logger.warning("request_id=%s no ack from the decode worker", request_id)
         finally:
+            tracing.end(computing, sys.exc_info()[1])
+            tracing.end(transfer, sys.exc_info()[1])
             self.aengine.listeners.pop(request_id, None)
             self._shipments.pop(request_id, None)
             sender.discard(shipment.transfer_id)
@@ -182,6 +201,7 @@ class PrefillService(WorkerServiceBase, pb_grpc.PrefillWorkerServicer):
             return
         try:
             from_cache, cut = shipment.plan(layer, token_start, k.shape[0])
+            shipment.stopwatch.start()
             if from_cache < token_start:
                 cached_k, cached_v = self._cached_kv(request_id, layer, from_cache, token_start)
                 shipment.sender.send(shipment.transfer_id, layer, from_cache, cached_k, cached_v)

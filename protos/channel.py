@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import grpc
 
+from protos import tracing
 from protos.security import Security, TokenCheck, client_interceptors
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -46,8 +47,10 @@ def open_channel(address: str, security: Security) -> grpc.aio.Channel:
 
 
 def new_server(security: Security) -> grpc.aio.Server:
-    """An asyncio server for a pdserve service that refuses calls without the cluster token."""
-    return grpc.aio.server(options=SERVER_OPTIONS, interceptors=[TokenCheck(security.cluster_token)])
+    """An asyncio server for a pdserve service that refuses calls without the cluster token
+    (and traces Generate and Prefill calls when tracing is on)."""
+    interceptors = [TokenCheck(security.cluster_token), *tracing.server_interceptors()]
+    return grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
 
 
 def add_port(server: grpc.aio.Server, address: str, security: Security) -> int:

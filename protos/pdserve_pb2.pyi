@@ -106,7 +106,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "num_waiting", "num_running", "num_waiting_for_kv", "queued_prefill_tokens", "num_free_blocks", "num_total_blocks", "num_preemptions", "num_finished", "num_failed_transfers", "draining", "prefix_cache_queries", "prefix_cache_hit_tokens", "num_cached_blocks", "kv_bytes_received", "kv_bytes_sent", "prefill_decisions", "prefix_cache_query_tokens")
+    __slots__ = ("worker_id", "role", "num_waiting", "num_running", "num_waiting_for_kv", "queued_prefill_tokens", "num_free_blocks", "num_total_blocks", "num_preemptions", "num_finished", "num_failed_transfers", "draining", "prefix_cache_queries", "prefix_cache_hit_tokens", "num_cached_blocks", "kv_bytes_received", "kv_bytes_sent", "prefill_decisions", "prefix_cache_query_tokens", "step_seconds", "batch_size", "prefill_tokens_computed", "decode_tokens_computed", "transfers")
     class PrefillDecisionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +133,11 @@ class WorkerStats(_message.Message):
     KV_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_DECISIONS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_waiting: int
@@ -152,7 +157,43 @@ class WorkerStats(_message.Message):
     kv_bytes_sent: int
     prefill_decisions: _containers.ScalarMap[str, int]
     prefix_cache_query_tokens: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting_for_kv: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_failed_transfers: _Optional[int] = ..., draining: bool = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., prefill_decisions: _Optional[_Mapping[str, int]] = ..., prefix_cache_query_tokens: _Optional[int] = ...) -> None: ...
+    step_seconds: Histogram
+    batch_size: Histogram
+    prefill_tokens_computed: int
+    decode_tokens_computed: int
+    transfers: _containers.RepeatedCompositeFieldContainer[TransferStats]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting_for_kv: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_failed_transfers: _Optional[int] = ..., draining: bool = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., prefill_decisions: _Optional[_Mapping[str, int]] = ..., prefix_cache_query_tokens: _Optional[int] = ..., step_seconds: _Optional[_Union[Histogram, _Mapping]] = ..., batch_size: _Optional[_Union[Histogram, _Mapping]] = ..., prefill_tokens_computed: _Optional[int] = ..., decode_tokens_computed: _Optional[int] = ..., transfers: _Optional[_Iterable[_Union[TransferStats, _Mapping]]] = ...) -> None: ...
+
+class Histogram(_message.Message):
+    __slots__ = ("bounds", "counts", "sum")
+    BOUNDS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    SUM_FIELD_NUMBER: _ClassVar[int]
+    bounds: _containers.RepeatedScalarFieldContainer[float]
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    sum: float
+    def __init__(self, bounds: _Optional[_Iterable[float]] = ..., counts: _Optional[_Iterable[int]] = ..., sum: _Optional[float] = ...) -> None: ...
+
+class TransferStats(_message.Message):
+    __slots__ = ("transport", "direction", "bytes", "seconds", "failures")
+    class FailuresEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    DIRECTION_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    transport: str
+    direction: str
+    bytes: int
+    seconds: Histogram
+    failures: _containers.ScalarMap[str, int]
+    def __init__(self, transport: _Optional[str] = ..., direction: _Optional[str] = ..., bytes: _Optional[int] = ..., seconds: _Optional[_Union[Histogram, _Mapping]] = ..., failures: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class CacheEventsRequest(_message.Message):
     __slots__ = ("cursor",)

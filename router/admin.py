@@ -1,11 +1,11 @@
-"""Operator endpoints: `GET /admin/status`, `POST /admin/scale`. They need
+"""Operator endpoints: `GET /admin/status`, `POST /admin/scale`, `POST /admin/drain`. They need
 `Authorization: Bearer <token>` with the token from the config or `PDSERVE_ADMIN_TOKEN`;
 without a configured token they are disabled."""
 
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
 from router.auth import bearer_matches, request_authorization
 from router.errors import APIError, validation_message
@@ -15,6 +15,19 @@ class ScaleRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     prefill: StrictInt | None = Field(default=None, ge=0, le=1024)
     decode: StrictInt | None = Field(default=None, ge=1, le=1024)
+
+
+class DrainRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    worker_id: StrictStr = Field(min_length=1, max_length=256)
+
+
+async def _parse(request: Request, model: type[BaseModel]):
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as exc:
+        message, param = validation_message(exc)
+        raise APIError(422, message, param) from None
 
 
 def install_admin(app: FastAPI, router) -> None:
@@ -36,9 +49,15 @@ def install_admin(app: FastAPI, router) -> None:
     @app.post("/admin/scale")
     async def admin_scale(request: Request):
         authorize(request)
-        try:
-            body = ScaleRequest.model_validate_json(await request.body())
-        except ValidationError as exc:
-            message, param = validation_message(exc)
-            raise APIError(422, message, param) from None
+        body = await _parse(request, ScaleRequest)
         return await router.controller.scale.remote(prefill=body.prefill, decode=body.decode)
+
+    @app.post("/admin/drain")
+    async def admin_drain(request: Request):
+        """Drain one worker; the controller starts a replacement (the pool keeps its target)."""
+        authorize(request)
+        body = await _parse(request, DrainRequest)
+        drained = await router.controller.drain.remote(body.worker_id)
+        if drained is None:
+            raise APIError(404, f"no ready worker {body.worker_id!r}", "worker_id")
+        return drained

@@ -26,11 +26,13 @@ from pydantic import ValidationError
 from engine import stats
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import apply_chat_template, encode_prompt
+from protos import tracing
 from protos.security import Security
 from router import protocol, responses
 from router.admin import install_admin
 from router.auth import APIKeyMiddleware
 from router.cache_index import PromptKeys
+from router.dashboard import install_dashboard
 from router.errors import APIError, check_model, install_handlers, validation_message
 from router.generation import Generation
 from router.metrics import RouterMetrics
@@ -62,6 +64,9 @@ class RouterConfig:
     metrics_require_key: bool = False  # /metrics needs an API key too
     https_cert_file: str | None = None
     https_key_file: str | None = None
+    ttft_slo_s: float | None = None  # the SLOs, for /metrics' goodput and SLO lines (None: not exported)
+    tpot_slo_s: float | None = None
+    otlp_traces_endpoint: str | None = None  # export OpenTelemetry traces here (protos.tracing); None: off
 
     def __post_init__(self) -> None:
         if self.security is None:
@@ -78,7 +83,7 @@ class Router:
     def __init__(self, config: RouterConfig, registry: WorkerRegistry, controller=None) -> None:
         self.config, self.registry, self.controller = config, registry, controller
         self.policy = make_policy(config.routing, config.cache_aware)
-        self.metrics = RouterMetrics(registry)
+        self.metrics = RouterMetrics(registry, config.ttft_slo_s, config.tpot_slo_s)
         self.tokenizer = None
         self.created = int(time.time())  # GET /v1/models
         self.inflight = 0
@@ -148,6 +153,7 @@ def build_app(router: Router) -> FastAPI:
         app.add_middleware(APIKeyMiddleware, keys=config.api_keys, protect_metrics=config.metrics_require_key)
     install_handlers(app)
     install_admin(app, router)
+    install_dashboard(app, router)
     install_tokenize(app, router, lambda request, model: _read_body(request, model, config.max_body_bytes))
 
     @app.get("/health")
@@ -269,9 +275,12 @@ async def _serve(request: Request, router: Router, body, ids: list[int], chat: b
     prompt = PromptKeys(ids)
     route = router.route_request(prompt, body.user)
     rid = protocol.new_id("chatcmpl" if chat else "cmpl")
+    tracing.annotate(request_id=rid)  # on the request's HTTP span
     generations = []
+    # 503 now, before a stream starts, if there is no decode worker; every choice goes to the
+    # same one, where they share the prompt's KV through its prefix cache (responses.merged_deltas)
+    decode = router.pick_decode(route)
     for index, choice_params in enumerate(_choice_params(params, body.n)):
-        decode = router.pick_decode(route)  # 503 now, before a stream starts, if there is no decode worker
         worker_rid = rid if index == 0 else f"{rid}-{index}"
         decode.note_routed(worker_rid)
         generations.append(Generation(router, worker_rid, prompt, choice_params, route, decode))

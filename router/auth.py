@@ -1,5 +1,5 @@
 """API keys on the OpenAI endpoints, as vLLM's `--api-key`: with keys configured, `/v1/*`,
-`/tokenize`, `/detokenize` (and `/metrics` if asked) need `Authorization: Bearer <key>`;
+`/tokenize`, `/detokenize` (and `/metrics` and `/dashboard/data` if asked) need `Authorization: Bearer <key>`;
 anything else gets 401 with an OpenAI error object before the body is read. `/health` stays
 open. Keys are compared in constant time."""
 
@@ -44,7 +44,7 @@ class APIKeyMiddleware:
 
     def _protected(self, path: str) -> bool:
         return (path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
-                or (self.protect_metrics and path == "/metrics"))
+                or (self.protect_metrics and path in ("/metrics", "/dashboard/data")))
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and self._protected(scope["path"]):

@@ -19,6 +19,7 @@ import asyncio
 import dataclasses
 import logging
 import random
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
 from protos import pdserve_pb2 as pb
+from protos import tracing
 from protos.convert import logprob_from_proto, sampling_to_proto
 from router.cache_index import PromptKeys
 from router.errors import APIError
@@ -120,6 +122,7 @@ class Generation:
                     raise GenerationError(str(exc)) from None
                 self.migrations += 1
                 self.router.metrics.migrations.labels(exc.reason).inc()
+                tracing.add_event("migration", reason=exc.reason, tokens_sent=len(self.output_ids))
                 logger.warning("request_id=%s migrating after %d tokens (%d of at most %d): %s",
                                self.request_id, len(self.output_ids), self.migrations,
                                self.router.config.max_migrations, exc)
@@ -173,7 +176,9 @@ class Generation:
             prefill_queued_tokens=prefill[0].queued_prefill_tokens if prefill else 0,
         )
         self.result.decode_worker = decode.worker_id
-        call = decode.stub.Generate(request, timeout=router.config.request_timeout_s)
+        leg = tracing.start_span("pdserve.decode_leg", client=True, request_id=self.request_id,
+                                 decode_worker=decode.worker_id, migration=self.migrations, resumed_after_tokens=done)
+        call = decode.stub.Generate(request, timeout=router.config.request_timeout_s, metadata=tracing.metadata(leg))
         index = router.registry.cache_index
         index.expect(decode.worker_id, prompt)  # its blocks will be cached there, however prefilled
         decode.note_opened(self.request_id)
@@ -187,6 +192,7 @@ class Generation:
             async for chunk in call:
                 if first and chunk.token_ids:
                     first = False
+                    tracing.add_event("first_token", on=leg, prefilled_by=chunk.prefilled_by)
                     if prefill:
                         prefill[0].inflight_tokens -= len(prompt.token_ids)
                     for worker in prefill:
@@ -240,6 +246,7 @@ class Generation:
                 prefill[0].inflight_tokens -= len(prompt.token_ids)
             if not worker_done:
                 call.cancel()  # stop string, client gone or error: abort on the workers
+            tracing.end(leg, sys.exc_info()[1])  # the exception leaving the leg, if any
 
     def _logprobs(self, chunk: pb.GenerateChunk, decode) -> list[TokenLogprob] | None:
         """The chunk's per-token logprobs, checked, when the request asked for them."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from router.worker_metrics import WorkerMetrics
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 POOLS = ("prefill", "decode")
 
@@ -48,11 +50,19 @@ class WorkerTotals:
 
 
 class RouterMetrics:
-    def __init__(self, registry) -> None:
+    def __init__(self, registry, ttft_slo_s: float | None = None, tpot_slo_s: float | None = None) -> None:
+        """With both SLOs, also export them and the goodput (requests that met both)."""
         self.workers = registry
         self.registry = CollectorRegistry()
         r = self.registry
+        self.slo = (ttft_slo_s, tpot_slo_s) if ttft_slo_s and tpot_slo_s else None
+        if self.slo:
+            Gauge("pdserve_slo_ttft_seconds", "the TTFT SLO", registry=r).set(ttft_slo_s)
+            Gauge("pdserve_slo_tpot_seconds", "the TPOT SLO", registry=r).set(tpot_slo_s)
+            self.goodput = Counter("pdserve_goodput_requests", "finished requests (stop or length) that met both "
+                                   "SLOs (TPOT: when they had two tokens or more)", registry=r)
         r.register(WorkerTotals(registry))
+        r.register(WorkerMetrics(registry))
         self.requests = Counter("pdserve_requests", "finished requests by finish reason",
                                 ["finish_reason"], registry=r)
         self.rejected = Counter("pdserve_rejected_requests", "requests refused by admission control", registry=r)
@@ -106,6 +116,10 @@ class RouterMetrics:
         tpot = result.tpot_s(end)
         if tpot is not None:
             self.tpot.observe(tpot)
+        if self.slo and result.finish_reason in ("stop", "length") and result.first_token_at is not None:
+            ttft_slo, tpot_slo = self.slo
+            if result.first_token_at - generation.started <= ttft_slo and (tpot is None or tpot <= tpot_slo):
+                self.goodput.inc()
 
     def render(self) -> tuple[bytes, str]:
         for pool in POOLS:

@@ -37,20 +37,28 @@ class Collected:
 
 async def merged_deltas(generations: list[Generation]) -> AsyncIterator[tuple[int, Delta]]:
     """(choice index, delta) from every generation as they arrive; the first error raises,
-    and leaving early (or an error) cancels the choices still running."""
+    and leaving early (or an error) cancels the choices still running. The choices after the
+    first start once it has its first token: its prompt's KV is then in the prefix caches of
+    the workers that computed it, and they compute only what is not (the last token, at least)."""
     if len(generations) == 1:
         async for delta in generations[0].deltas():
             yield 0, delta
         return
     queue: asyncio.Queue = asyncio.Queue()
+    prompt_cached = asyncio.Event()
 
     async def pump(index: int, generation: Generation) -> None:
         try:
+            if index:
+                await prompt_cached.wait()
             async for delta in generation.deltas():
+                prompt_cached.set()
                 await queue.put((index, delta))
             await queue.put((index, _END))
         except Exception as exc:  # noqa: BLE001 - handed to the consumer, raised there
             await queue.put((index, exc))
+        finally:
+            prompt_cached.set()  # the first choice failed or ended: the others go on regardless
 
     tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(generations)]
     try:

@@ -9,6 +9,7 @@ import os
 import uvicorn
 
 from engine.logs import setup_logging
+from protos import tracing
 from protos.security import add_security_args, security_from_args
 from router.app import Router, RouterConfig, build_app
 from router.auth import API_KEY_ENV, api_keys_from
@@ -19,7 +20,10 @@ from router.registry import MembershipSource, WorkerRegistry, static_source
 def make_server(config: RouterConfig, source: MembershipSource, controller=None) -> uvicorn.Server:
     """A uvicorn server for the router; `.router` is the Router (for its actor's queries)."""
     router = Router(config, WorkerRegistry(source, config.security), controller)
-    uv_config = uvicorn.Config(build_app(router), host=config.host, port=config.port, log_level="warning",
+    app = build_app(router)
+    if tracing.configure("router", config.otlp_traces_endpoint, f"{config.host}:{config.port}"):
+        tracing.instrument_app(app)
+    uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                timeout_graceful_shutdown=5, access_log=False,
                                ssl_certfile=config.https_cert_file, ssl_keyfile=config.https_key_file)
     server = uvicorn.Server(uv_config)
@@ -59,7 +63,11 @@ def main(argv: list[str] | None = None) -> int:
                              f"(repeatable; default: ${API_KEY_ENV})")
     parser.add_argument("--https-cert", default=None, help="serve HTTPS with this certificate (PEM)")
     parser.add_argument("--https-key", default=None, help="the HTTPS certificate's private key (PEM)")
+    parser.add_argument("--ttft-slo-s", type=float, default=None,
+                        help="TTFT SLO in seconds: exports pdserve_slo_ttft_seconds and goodput (with --tpot-slo-s)")
+    parser.add_argument("--tpot-slo-s", type=float, default=None, help="TPOT SLO in seconds (see --ttft-slo-s)")
     add_security_args(parser)
+    tracing.add_tracing_args(parser)
     args = parser.parse_args(argv)
     if not args.decode:
         parser.error("at least one --decode worker is required")
@@ -75,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                           max_migrations=args.max_migrations, migration_wait_s=args.migration_wait_s,
                           admin_token=os.environ.get("PDSERVE_ADMIN_TOKEN"), security=security,
                           api_keys=api_keys_from(args.api_key), https_cert_file=args.https_cert,
-                          https_key_file=args.https_key)
+                          https_key_file=args.https_key, ttft_slo_s=args.ttft_slo_s, tpot_slo_s=args.tpot_slo_s,
+                          otlp_traces_endpoint=args.otlp_traces_endpoint)
     server = make_server(config, static_source(args.prefill, args.decode, security))
     asyncio.run(server.serve())
     return 0

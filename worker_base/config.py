@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from protos.security import Security, add_security_args, security_from_args
+from protos.tracing import add_tracing_args
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,7 @@ class WorkerConfig:
     max_queued_requests: int = 1024
     prefill_profile: str | None = None  # decode: `pdserve profile` JSON for the where-to-prefill model
     ready_file: str | None = None  # write "host:port" here once serving
+    otlp_traces_endpoint: str | None = None  # export OpenTelemetry traces here (protos.tracing); None: off
     worker_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
     def __post_init__(self) -> None:
@@ -60,6 +62,7 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
                             "also prefilled here when the latency model predicts that is faster than the "
                             "prefill worker's queue plus its prefill plus the KV transfer")
     add_security_args(parser)
+    add_tracing_args(parser)
 
 
 
@@ -68,4 +71,5 @@ def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
                         kv_transfer_timeout_s=args.kv_transfer_timeout_s,
                         kv_send_deadline_s=args.kv_send_deadline_s, ready_file=args.ready_file,
                         local_prefill_max_tokens=args.local_prefill_max_tokens, prefill_profile=args.prefill_profile,
-                        max_queued_requests=args.max_queued_requests)
+                        max_queued_requests=args.max_queued_requests,
+                        otlp_traces_endpoint=args.otlp_traces_endpoint)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from engine.arg_utils import add_engine_args, engine_config_from_args
 from engine.logs import setup_logging
+from protos import tracing
 from protos.channel import add_port, new_server
 from worker_base.config import WorkerConfig, add_worker_args, worker_config_from_args
 
@@ -44,6 +45,7 @@ def run_worker(role: str, argv: list[str] | None, make_service: Callable) -> int
 async def start_service(engine, config: WorkerConfig, make_service: Callable):
     """Build the service, serve it over gRPC; returns (service, server, "host:port")."""
     service = make_service(engine, config)
+    tracing.configure(service.role, config.otlp_traces_endpoint, config.worker_id)  # before the server's interceptors
     server = new_server(config.security)
     service.add_to(server)
     port = add_port(server, f"{config.host}:{config.port}", config.security)

@@ -11,6 +11,7 @@ from kv_transfer.layout import KVLayout
 from kv_transfer.torch_transport import TorchTransport
 from protos import pdserve_pb2 as pb
 from worker_base.config import WorkerConfig
+from worker_base.telemetry import TransferCounters, histogram_to_proto
 
 # A step running longer than this means the engine thread is wedged: Stats, which routers
 # and the controller use as the health check, answers UNAVAILABLE (a CPU prefill step of
@@ -25,6 +26,7 @@ class WorkerServiceBase:
         self.engine, self.config = engine, config
         self.aengine = AsyncEngine(engine, stats_fn=self._stats)
         self.draining = False  # set by drain(): refuse new requests, finish open ones
+        self.transfers = TransferCounters()  # KV transfers, for Stats (worker_base.telemetry)
         self.layout = KVLayout.of_cache(engine.runner.kv_cache)
         self.torch_transport = TorchTransport(
             config.worker_id, self.layout, engine.runner.kv_cache.device,
@@ -74,12 +76,17 @@ class WorkerServiceBase:
 
     def _worker_stats(self, **fields) -> pb.WorkerStats:
         scheduler, blocks = self.engine.scheduler, self.engine.block_manager
-        return pb.WorkerStats(
+        stats = pb.WorkerStats(
             worker_id=self.config.worker_id, role=self.role, num_free_blocks=blocks.num_free_blocks,
             num_total_blocks=blocks.num_blocks,
             num_preemptions=scheduler.num_preemptions, num_finished=self.aengine.num_finished,
             draining=self.draining, prefix_cache_queries=scheduler.num_cache_queries,
             prefix_cache_query_tokens=scheduler.num_cache_query_tokens,
             prefix_cache_hit_tokens=scheduler.num_cache_hit_tokens, num_cached_blocks=blocks.num_cached_blocks,
-            **fields,
+            prefill_tokens_computed=self.engine.num_prefill_tokens_computed,
+            decode_tokens_computed=self.engine.num_decode_tokens_computed,
+            transfers=self.transfers.to_proto(), **fields,
         )
+        histogram_to_proto(self.aengine.step_seconds, stats.step_seconds)
+        histogram_to_proto(self.aengine.batch_size, stats.batch_size)
+        return stats

@@ -196,6 +196,36 @@ def test_unseeded_choices_differ(served):
     assert len({tuple(c["token_ids"]) for c in out["choices"]}) == 4 and out["usage"]["completion_tokens"] == 40
 
 
+def test_choices_share_the_prompts_kv_through_the_prefix_caches(served):
+    """The first choice computes the prompt; the others start once it has its first token
+    and find the prompt's full blocks cached on the decode worker and the prefill worker, so
+    each computes only the tail after them."""
+    import asyncio
+
+    from kv_transfer.layout import KVLayout
+    from protos import pdserve_pb2 as pb
+    from testkit.workers import decode_stub, stats_of
+
+    async def block_size() -> int:
+        channel, stub = decode_stub(served["decode"].address)
+        async with channel:
+            return KVLayout.from_proto((await stub.Info(pb.InfoRequest())).layout).block_size
+
+    def stats():
+        return (asyncio.run(stats_of(served["decode"].address, "decode")),
+                asyncio.run(stats_of(served["prefill"].address, "prefill")))
+
+    size, prompt = asyncio.run(block_size()), list(range(3000, 3080))  # a prompt no other test sends
+    cached = (len(prompt) - 1) // size * size  # full blocks short of the last token
+    decode_before, prefill_before = stats()
+    out = _completion(served["url"], prompt=prompt, n=3, max_tokens=4)
+    assert [c["finish_reason"] for c in out["choices"]] == ["length"] * 3
+    decode_after, prefill_after = stats()
+    assert decode_after.prefix_cache_hit_tokens - decode_before.prefix_cache_hit_tokens == 2 * cached
+    computed = prefill_after.prefill_tokens_computed - prefill_before.prefill_tokens_computed
+    assert computed == len(prompt) + 2 * (len(prompt) - cached), computed
+
+
 def test_streamed_choices_carry_their_index(served):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "ignore_eos": True,
             "seed": 9, "n": 2, "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True}}

@@ -1,0 +1,172 @@
+"""The live dashboard: `GET /dashboard`, one static page (router/static/dashboard.html, charts
+drawn as SVG by hand, no build step) that polls `GET /dashboard/data` every few seconds.
+
+The data come from what `/metrics` exports, read the same way (the registry's workers and
+their latest Stats, the metrics' counters), so the two agree; the finished-request log gives
+the TTFT/TPOT percentiles, rate and goodput over the last minutes; the controller (when the
+router has one) adds pool targets, starting workers, the autoscaler's decisions, the SLOs
+and the events. The page works without a controller, without those parts. Its scale and
+drain buttons call /admin/scale and /admin/drain with the admin token the operator types in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from pathlib import Path
+
+from fastapi import FastAPI
+from fastapi.responses import HTMLResponse
+
+from engine import stats
+from router.metrics import POOLS
+
+PAGE = Path(__file__).parent / "static" / "dashboard.html"
+WINDOW_S = 300.0  # the charts' span
+BUCKET_S = 10.0  # one chart point
+PERCENTILES = (50, 90, 99)
+CONTROLLER_TIMEOUT_S = 3.0
+CLUSTER_CACHE_S = 1.0
+
+
+class TransferRates:
+    """KV transfer bandwidth (bytes/s), from each worker's kv_bytes_sent/received counters
+    sampled over time: the sum of per-worker increases over the time between samples (a
+    worker that leaves or restarts contributes nothing for that interval)."""
+
+    def __init__(self, keep: int = int(WINDOW_S), min_interval_s: float = 1.0) -> None:
+        self.points: deque[tuple[float, float, float]] = deque(maxlen=keep)  # (when, sent/s, received/s)
+        self.min_interval_s = min_interval_s
+        self._last: dict[str, tuple[int, int]] = {}
+        self._last_at: float | None = None
+
+    def sample(self, views, now: float) -> None:
+        if self._last_at is not None and now - self._last_at < self.min_interval_s:
+            return
+        counters = {v.worker_id: (v.stats.kv_bytes_sent, v.stats.kv_bytes_received)
+                    for v in views if v.stats is not None}
+        if self._last_at is not None:
+            sent = received = 0
+            for worker_id, (now_sent, now_received) in counters.items():
+                before_sent, before_received = self._last.get(worker_id, (now_sent, now_received))
+                sent += max(0, now_sent - before_sent)
+                received += max(0, now_received - before_received)
+            elapsed = now - self._last_at
+            self.points.append((now, sent / elapsed, received / elapsed))
+        self._last, self._last_at = counters, now
+
+
+def _counter_total(counter) -> float:
+    """A prometheus_client counter summed over its labels, as /metrics shows `<name>_total`."""
+    return sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total"))
+
+
+def _worker(view) -> dict:
+    s = view.stats
+    row = {"worker_id": view.worker_id, "role": view.role, "address": view.address, "state": view.state,
+           "routable": view.routable, "open_requests": view.open_requests}
+    if s is None:
+        return row
+    return {**row, "running": s.num_running, "waiting": s.num_waiting + s.num_waiting_for_kv,
+            "finished": s.num_finished, "kv_usage": 1 - s.num_free_blocks / s.num_total_blocks
+            if s.num_total_blocks else 0.0,
+            # as pdserve_worker_prefix_cache_hit_rate
+            "hit_rate": s.prefix_cache_hit_tokens / max(1, s.prefix_cache_query_tokens),
+            "kv_bytes_sent": s.kv_bytes_sent, "kv_bytes_received": s.kv_bytes_received}
+
+
+def pools_view(registry, cluster: dict | None) -> dict:
+    """Per pool, what /metrics exports (routable workers, queue depth, KV usage: the same
+    sums) and each worker; with a controller, the target and workers still starting."""
+    out = {}
+    for pool in POOLS:
+        views = registry.workers(pool, routable=False)
+        s = [v.stats for v in views if v.stats is not None]
+        total = sum(x.num_total_blocks for x in s)
+        workers = [_worker(v) for v in views]
+        target = None
+        if cluster is not None:
+            known = {w["worker_id"] for w in workers}
+            target = cluster["pools"][pool]["target"]
+            workers += [{"worker_id": w["worker_id"], "role": pool, "address": w["address"], "state": w["state"],
+                         "routable": False} for w in cluster["pools"][pool]["workers"]
+                        if w["worker_id"] not in known]
+        out[pool] = {"workers_routable": sum(v.routable for v in views), "target": target,
+                     "queue_depth": sum(x.num_waiting for x in s),
+                     "kv_usage": 1 - sum(x.num_free_blocks for x in s) / total if total else 0.0,
+                     "workers": workers}
+    return out
+
+
+def latency_view(finished, slo: dict | None, now: float, window_s: float = WINDOW_S,
+                 bucket_s: float = BUCKET_S) -> dict:
+    """TTFT/TPOT percentiles, request rate and goodput (requests/s that met both SLOs) of
+    the requests that finished in the last `window_s`, overall and per `bucket_s` (x: seconds
+    before now, at the bucket's end)."""
+    recent = [r for r in finished if now - r[0] <= window_s]
+
+    def met(r) -> bool:
+        return r[3] <= slo["ttft_s"] and (r[4] is None or r[4] <= slo["tpot_s"])
+
+    def summary(rows, span_s: float) -> dict:
+        ttft = [r[3] for r in rows]
+        tpot = [r[4] for r in rows if r[4] is not None]
+        return {"count": len(rows), "rate": len(rows) / span_s,
+                "goodput": sum(map(met, rows)) / span_s if slo else None,
+                **{f"ttft_p{q}": stats.percentile(ttft, q) for q in PERCENTILES},
+                **{f"tpot_p{q}": stats.percentile(tpot, q) for q in PERCENTILES}}
+
+    series = []
+    for i in range(int(window_s // bucket_s)):
+        start, end = window_s - (i + 1) * bucket_s, window_s - i * bucket_s  # seconds ago
+        rows = [r for r in recent if start <= now - r[0] < end]
+        series.append({"ago_s": start, **summary(rows, bucket_s)})
+    return {"window_s": window_s, "bucket_s": bucket_s, "overall": summary(recent, window_s), "series": series}
+
+
+async def cluster_view(controller) -> dict | None:
+    """The controller's status, or None without one (a bare router) or when it does not answer."""
+    if controller is None:
+        return None
+    try:
+        return await asyncio.wait_for(controller.status.remote(), CONTROLLER_TIMEOUT_S)
+    except Exception:  # noqa: BLE001 - shown as "controller unavailable"
+        return None
+
+
+def dashboard_data(router, cluster: dict | None, rates: TransferRates) -> dict:
+    now = time.monotonic()
+    views = [v for pool in POOLS for v in router.registry.workers(pool, routable=False)]
+    rates.sample(views, now)
+    auto = (cluster or {}).get("autoscaler") or {}
+    slo = auto.get("slo")
+    metrics = router.metrics
+    return {
+        "time": time.time(), "model": router.config.served_model_name, "routing": router.policy.name,
+        "has_controller": router.controller is not None, "controller_ok": cluster is not None,
+        "requests_total": _counter_total(metrics.requests), "rejected_total": _counter_total(metrics.rejected),
+        "generation_tokens_total": _counter_total(metrics.generation_tokens), "inflight": router.inflight,
+        "pools": pools_view(router.registry, cluster), "slo": slo,
+        "latency": latency_view(router.finished, slo, now),
+        "transfer": [{"ago_s": now - t, "sent_bps": sent, "received_bps": received}
+                     for t, sent, received in rates.points if now - t <= WINDOW_S],
+        "autoscaler": {"enabled": auto.get("enabled", False), "overridden": auto.get("overridden", []),
+                       "decisions": auto.get("decisions", [])},
+        "events": (cluster or {}).get("events", [])[-20:],
+    }
+
+
+def install_dashboard(app: FastAPI, router) -> None:
+    rates = TransferRates()
+    cluster_cache: list = [float("-inf"), None]  # (when, status): one controller call a second, however many pages
+
+    @app.get("/dashboard", include_in_schema=False)
+    async def dashboard_page():
+        return HTMLResponse(PAGE.read_text())
+
+    @app.get("/dashboard/data")
+    async def dashboard_json():
+        if time.monotonic() - cluster_cache[0] >= CLUSTER_CACHE_S:
+            cluster_cache[:] = [time.monotonic(), await cluster_view(router.controller)]
+        return dashboard_data(router, cluster_cache[1], rates)

@@ -1,0 +1,96 @@
+"""Each worker's own metrics, from its latest Stats (worker_base.telemetry says why the
+workers report through the router rather than serve Prometheus themselves). Labelled
+`pool` and `worker`; a worker that leaves takes its series along.
+
+    pdserve_worker_running / _waiting                       requests, by the worker's count
+    pdserve_worker_kv_blocks{state=used|cached|free}        its KV cache
+    pdserve_worker_preemptions_total                        requests preempted (recomputed)
+    pdserve_worker_prefill_tokens_computed_total            prompt positions computed
+    pdserve_worker_decode_tokens_computed_total             generated positions computed
+    pdserve_worker_prefix_cache_hit_tokens_total            prompt tokens found cached
+    pdserve_worker_prefix_cache_query_tokens_total          prompt tokens looked up
+    pdserve_worker_step_seconds (histogram)                 each engine step's wall time
+    pdserve_worker_batch_size (histogram)                   sequences per engine step
+    pdserve_kv_transfer_worker_bytes_total{transport,direction}
+    pdserve_kv_transfer_seconds (histogram){transport,direction}   first piece to last
+    pdserve_kv_transfer_bandwidth_bytes_per_second{transport,direction}  bytes / seconds, mean
+    pdserve_kv_transfer_failures_total{transport,direction,reason}
+"""
+
+from __future__ import annotations
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from protos import pdserve_pb2 as pb
+
+POOLS = ("prefill", "decode")
+_WORKER = ["pool", "worker"]
+_TRANSFER = [*_WORKER, "transport", "direction"]
+
+
+def _buckets(histogram: pb.Histogram) -> list[tuple[str, float]]:
+    """Prometheus' cumulative (upper bound, count) pairs, +Inf last."""
+    if not histogram.counts:
+        return [("+Inf", 0)]
+    out, running = [], 0
+    bounds = [*(f"{b:g}" for b in histogram.bounds), "+Inf"]
+    for bound, count in zip(bounds, histogram.counts, strict=False):
+        running += count
+        out.append((bound, running))
+    return out
+
+
+class WorkerMetrics:
+    """A prometheus_client collector over the registry's workers' latest Stats."""
+
+    def __init__(self, workers) -> None:
+        self.workers = workers
+
+    def collect(self):
+        gauges = {name: GaugeMetricFamily(f"pdserve_worker_{name}", text, labels=_WORKER)
+                  for name, text in (("running", "requests running on the worker"),
+                                     ("waiting", "requests waiting on the worker"))}
+        blocks = GaugeMetricFamily("pdserve_worker_kv_blocks", "the worker's KV blocks by state",
+                                   labels=[*_WORKER, "state"])
+        counters = {name: CounterMetricFamily(f"pdserve_worker_{name}", text, labels=_WORKER)
+                    for name, text in (("preemptions", "requests preempted (their KV freed, recomputed later)"),
+                                       ("prefill_tokens_computed", "prompt positions computed"),
+                                       ("decode_tokens_computed", "generated tokens' positions computed"),
+                                       ("prefix_cache_hit_tokens", "prompt tokens found in the prefix cache"),
+                                       ("prefix_cache_query_tokens", "prompt tokens looked up in the prefix cache"))}
+        steps = HistogramMetricFamily("pdserve_worker_step_seconds", "engine step wall time", labels=_WORKER)
+        batch = HistogramMetricFamily("pdserve_worker_batch_size", "sequences per engine step", labels=_WORKER)
+        moved = CounterMetricFamily("pdserve_kv_transfer_worker_bytes", "KV bytes moved", labels=_TRANSFER)
+        seconds = HistogramMetricFamily("pdserve_kv_transfer_seconds", "seconds per KV transfer, first piece to "
+                                        "last", labels=_TRANSFER)
+        bandwidth = GaugeMetricFamily("pdserve_kv_transfer_bandwidth_bytes_per_second", "KV bytes moved per "
+                                      "second of transfer, over the worker's transfers", labels=_TRANSFER)
+        failures = CounterMetricFamily("pdserve_kv_transfer_failures", "KV transfers that failed, by reason",
+                                       labels=[*_TRANSFER, "reason"])
+        for pool in POOLS:
+            for view in self.workers.workers(pool, routable=False):
+                s = view.stats
+                if s is None:
+                    continue
+                labels = [pool, s.worker_id]
+                gauges["running"].add_metric(labels, s.num_running)
+                gauges["waiting"].add_metric(labels, s.num_waiting)
+                free, cached = s.num_free_blocks, min(s.num_cached_blocks, s.num_free_blocks)
+                blocks.add_metric([*labels, "used"], s.num_total_blocks - free)
+                blocks.add_metric([*labels, "cached"], cached)  # free, but holding reusable content
+                blocks.add_metric([*labels, "free"], free - cached)
+                counters["preemptions"].add_metric(labels, s.num_preemptions)
+                counters["prefill_tokens_computed"].add_metric(labels, s.prefill_tokens_computed)
+                counters["decode_tokens_computed"].add_metric(labels, s.decode_tokens_computed)
+                counters["prefix_cache_hit_tokens"].add_metric(labels, s.prefix_cache_hit_tokens)
+                counters["prefix_cache_query_tokens"].add_metric(labels, s.prefix_cache_query_tokens)
+                steps.add_metric(labels, _buckets(s.step_seconds), s.step_seconds.sum)
+                batch.add_metric(labels, _buckets(s.batch_size), s.batch_size.sum)
+                for t in s.transfers:
+                    key = [*labels, t.transport, t.direction]
+                    moved.add_metric(key, t.bytes)
+                    seconds.add_metric(key, _buckets(t.seconds), t.seconds.sum)
+                    bandwidth.add_metric(key, t.bytes / t.seconds.sum if t.seconds.sum else 0.0)
+                    for reason, count in sorted(t.failures.items()):
+                        failures.add_metric([*key, reason], count)
+        yield from (*gauges.values(), blocks, *counters.values(), steps, batch, moved, seconds, bandwidth, failures)
