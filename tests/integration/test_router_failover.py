@@ -7,7 +7,6 @@ an error, never a cut stream."""
 import asyncio
 import dataclasses
 
-import aiohttp
 import pytest
 
 from engine.sampling_params import SamplingParams
@@ -15,58 +14,12 @@ from router.app import Router, RouterConfig
 from router.cache_index import PromptKeys
 from router.generation import Generation, GenerationError
 from router.registry import WorkerRegistry
-from testkit.workers import SECURITY, RouterProcess, WorkerProcess, stats_of, wait_idle_at
+from testkit.workers import SECURITY, RouterProcess, WorkerProcess, wait_idle_at
 from tests.e2e.http import metric
+from tests.integration.streaming import serving_worker, stream_ids
 
 PROMPT = list(range(7, 47))
 MAX_TOKENS = 600
-
-
-async def _stream_ids(url: str, body: dict, after: int | None = None, on_tokens=None, logprobs: list | None = None):
-    """Stream a completion with token ids; once `after` tokens arrived, await `on_tokens()`.
-    Returns (token ids, finish reasons seen, usage, error events, saw [DONE]); each chunk's
-    (token_logprobs, top_logprobs) pairs are appended to `logprobs` if given."""
-    import json
-
-    ids, finishes, usage, errors, done = [], [], None, [], False
-    async with aiohttp.ClientSession() as session, \
-            session.post(url + "/v1/completions", json={**body, "stream": True, "return_token_ids": True,
-                                                        "stream_options": {"include_usage": True}}) as response:
-        assert response.status == 200, await response.text()
-        async for raw in response.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                done = True
-                break
-            event = json.loads(line[len("data: "):])
-            if "error" in event:
-                errors.append(event["error"])
-            elif event.get("usage") and not event["choices"]:
-                usage = event["usage"]
-            else:
-                choice = event["choices"][0]
-                ids.extend(choice.get("token_ids") or [])
-                if logprobs is not None and choice.get("logprobs"):
-                    logprobs.extend(zip(choice["logprobs"]["token_logprobs"], choice["logprobs"]["top_logprobs"],
-                                        strict=True))
-                if choice.get("finish_reason"):
-                    finishes.append(choice["finish_reason"])
-            if on_tokens is not None and after is not None and len(ids) >= after:
-                await on_tokens()
-                on_tokens = None
-    return ids, finishes, usage, errors, done
-
-
-async def _serving(decode_workers) -> WorkerProcess:
-    """The decode worker running the (only) request."""
-    for _ in range(200):
-        for worker in decode_workers:
-            if worker.proc.poll() is None and (await stats_of(worker.address, "decode")).num_running:
-                return worker
-        await asyncio.sleep(0.01)
-    raise AssertionError("no decode worker is running the request")
 
 
 @pytest.fixture(scope="module")
@@ -86,16 +39,16 @@ def killable(tiny_llama_dir):
 def test_a_decode_worker_killed_mid_stream_is_resumed_token_exact(killable, sampling):
     router, decode = killable
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "ignore_eos": True, **sampling}
-    reference, _, _, _, _ = asyncio.run(_stream_ids(router.url, body))
+    reference, _, _, _, _ = asyncio.run(stream_ids(router.url, body))
     migrations_before = metric(router.url, 'pdserve_migrations_total{reason="unavailable"}')
     killed = []
 
     async def kill_the_serving_worker():
-        victim = await _serving(decode)
+        victim = await serving_worker(decode)
         victim.kill()
         killed.append(victim)
 
-    ids, finishes, usage, errors, done = asyncio.run(_stream_ids(router.url, body, 20, kill_the_serving_worker))
+    ids, finishes, usage, errors, done = asyncio.run(stream_ids(router.url, body, 20, kill_the_serving_worker))
     assert len(reference) == MAX_TOKENS
     assert not errors and done and finishes == ["length"], (errors, finishes)
     assert ids == reference, "the resumed stream differs from an unbroken run"
@@ -116,13 +69,13 @@ def test_a_resumed_stream_carries_the_unbroken_runs_logprobs_and_penalties(killa
             "top_p": 0.9, "seed": 77, "logprobs": 2, "frequency_penalty": 0.6, "presence_penalty": 0.3,
             "repetition_penalty": 1.1, "echo": True}
     reference_logprobs, logprobs = [], []
-    reference, *_ = asyncio.run(_stream_ids(router.url, body, logprobs=reference_logprobs))
+    reference, *_ = asyncio.run(stream_ids(router.url, body, logprobs=reference_logprobs))
     migrations_before = metric(router.url, 'pdserve_migrations_total{reason="unavailable"}')
 
     async def kill_the_serving_worker():
-        (await _serving(decode)).kill()
+        (await serving_worker(decode)).kill()
 
-    ids, finishes, _, errors, done = asyncio.run(_stream_ids(router.url, body, 20, kill_the_serving_worker,
+    ids, finishes, _, errors, done = asyncio.run(stream_ids(router.url, body, 20, kill_the_serving_worker,
                                                              logprobs=logprobs))
     assert not errors and done and finishes == ["length"], (errors, finishes)
     assert metric(router.url, 'pdserve_migrations_total{reason="unavailable"}') == migrations_before + 1
@@ -146,14 +99,14 @@ def test_a_resumed_stream_keeps_to_its_json_schema(killable, tiny_llama_dir):
                                        "items": {"type": "string", "minLength": 4, "maxLength": 8}}}}
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 400, "temperature": 1.0, "seed": 9,
             "response_format": {"type": "json_schema", "json_schema": {"name": "words", "schema": schema}}}
-    reference, finishes, *_ = asyncio.run(_stream_ids(router.url, body))
+    reference, finishes, *_ = asyncio.run(stream_ids(router.url, body))
     assert finishes == ["stop"] and len(reference) > 30, reference
     migrations_before = metric(router.url, 'pdserve_migrations_total{reason="unavailable"}')
 
     async def kill_the_serving_worker():
-        (await _serving(decode)).kill()
+        (await serving_worker(decode)).kill()
 
-    ids, finishes, _, errors, done = asyncio.run(_stream_ids(router.url, body, 10, kill_the_serving_worker))
+    ids, finishes, _, errors, done = asyncio.run(stream_ids(router.url, body, 10, kill_the_serving_worker))
     assert not errors and done and finishes == ["stop"], (errors, finishes)
     assert metric(router.url, 'pdserve_migrations_total{reason="unavailable"}') == migrations_before + 1
     assert ids == reference
@@ -272,18 +225,18 @@ def test_a_hung_decode_worker_is_routed_around_and_its_stream_resumed_token_exac
     with WorkerProcess("prefill", model) as p, WorkerProcess("decode", model) as d1, \
             WorkerProcess("decode", model) as d2, RouterProcess(model, [p.address], [d1.address, d2.address]) as r:
         wait_routable(r.url, 2)
-        reference, _, _, _, _ = asyncio.run(_stream_ids(r.url, body))
+        reference, _, _, _, _ = asyncio.run(stream_ids(r.url, body))
         stopped = []
 
         async def hang_the_serving_worker():
-            victim = await _serving([d1, d2])
+            victim = await serving_worker([d1, d2])
             victim.proc.send_signal(signal.SIGSTOP)
             stopped.append(victim)
 
         try:
-            ids, finishes, usage, errors, done = asyncio.run(_stream_ids(r.url, body, 20, hang_the_serving_worker))
+            ids, finishes, usage, errors, done = asyncio.run(stream_ids(r.url, body, 20, hang_the_serving_worker))
             wait_routable(r.url, 1)
-            others = [asyncio.run(_stream_ids(r.url, {**body, "max_tokens": 8, "seed": s})) for s in range(4)]
+            others = [asyncio.run(stream_ids(r.url, {**body, "max_tokens": 8, "seed": s})) for s in range(4)]
             stopped[0].proc.send_signal(signal.SIGCONT)
             wait_routable(r.url, 2)
         finally:
@@ -314,9 +267,9 @@ def test_the_real_smollm2_killed_mid_stream_resumes_with_the_offline_tokens(smol
             RouterProcess(model, [p.address], [d1.address, d2.address], served_model_name="smollm2") as r:
 
         async def kill_the_serving_worker():
-            (await _serving([d1, d2])).kill()
+            (await serving_worker([d1, d2])).kill()
 
-        ids, finishes, usage, errors, done = asyncio.run(_stream_ids(r.url, body, 20, kill_the_serving_worker))
+        ids, finishes, usage, errors, done = asyncio.run(stream_ids(r.url, body, 20, kill_the_serving_worker))
         killed = [d for d in (d1, d2) if d.proc.poll() is not None]
     assert len(killed) == 1, "exactly the serving worker was killed mid-stream"
     assert not errors and done and finishes == ["length"], (errors, finishes)

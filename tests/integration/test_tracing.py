@@ -26,6 +26,7 @@ from cluster.config import load_config
 from protos import tracing
 from testkit.workers import CLUSTER_TOKEN, ROOT, RouterProcess, WorkerProcess, free_port, stats_of
 from tests.e2e.http import post
+from tests.integration.streaming import serving_worker, stream_ids
 
 PROMPT = list(range(5, 30))
 FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "200"}  # the SDK's batch delay, ms (default 5000)
@@ -140,6 +141,47 @@ def test_one_disaggregated_request_is_one_trace_across_the_three_processes(tiny_
     for span in (http, leg, generate, prefill_leg, prefill_rpc):
         assert span["attributes"].get("pdserve.request_id") == request_id, span
     assert generate["attributes"]["pdserve.prefill_where"] == "remote"
+
+
+def test_a_migrated_request_is_one_trace_with_a_leg_per_decode_worker(tiny_llama_dir, receiver):
+    """A decode worker SIGKILLed mid-stream: the router's trace has a second decode leg
+    (marked as the first migration, resumed after the tokens already sent) under the same
+    HTTP span, which records a `migration` event; the surviving worker's Generate span is the
+    second leg's child. (The killed worker's own spans die with it, unexported.)"""
+    model, flag = str(tiny_llama_dir), ("--otlp-traces-endpoint", receiver.endpoint)
+    with WorkerProcess("prefill", model, *flag, env=FAST_EXPORT) as p, \
+            WorkerProcess("decode", model, *flag, env=FAST_EXPORT) as d1, \
+            WorkerProcess("decode", model, *flag, env=FAST_EXPORT) as d2, \
+            RouterProcess(model, [p.address], [d1.address, d2.address], *flag, env=FAST_EXPORT) as router:
+        killed = []
+
+        async def kill_the_serving_worker():
+            victim = await serving_worker([d1, d2])
+            victim.kill()
+            killed.append(victim)
+
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 300, "ignore_eos": True, "temperature": 0.0}
+        ids, finishes, _, errors, done = asyncio.run(stream_ids(router.url, body, 20, kill_the_serving_worker))
+        assert not errors and done and finishes == ["length"] and len(ids) == 300, (errors, finishes)
+        deadline = time.monotonic() + 30
+        while True:  # both legs (the router ends the first when it fails) and the survivor's spans
+            spans = receiver.snapshot()
+            names = [(s["service"], s["name"]) for s in spans]
+            if names.count((ROUTER, "pdserve.decode_leg")) == 2 and (DECODE, GENERATE) in names \
+                    or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+
+    assert {s["trace_id"] for s in spans} == {spans[0]["trace_id"]}, "more than one trace"
+    [http] = [s for s in spans if not s["parent"]]
+    legs = sorted((s for s in spans if s["service"] == ROUTER and s["name"] == "pdserve.decode_leg"),
+                  key=lambda s: s["attributes"]["pdserve.migration"])
+    assert [leg["attributes"]["pdserve.migration"] for leg in legs] == [0, 1], legs
+    assert all(leg["parent"] == http["span_id"] for leg in legs)
+    assert legs[1]["attributes"]["pdserve.resumed_after_tokens"] >= 20
+    assert "migration" in http["events"]
+    [resumed] = [s for s in spans if s["service"] == DECODE and s["name"] == GENERATE]  # the survivor's
+    assert resumed["parent"] == legs[1]["span_id"]
 
 
 # A router process with tracing off serving one request through `router.server.main`; it
