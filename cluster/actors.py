@@ -9,6 +9,7 @@ import asyncio
 import os
 
 from protos import tracing
+from protos.convert import message_dict
 
 
 def _pin_threads(cpu_affinity: list[int] | None) -> int:
@@ -87,9 +88,7 @@ class WorkerActor:
         self.service.draining = True
 
     async def stats(self) -> dict:
-        stats = self.service.aengine.stats()
-        return {f.name: (v if isinstance(v, int | float | str | bool) else dict(v) if hasattr(v, "items")
-                         else list(v)) for f in stats.DESCRIPTOR.fields for v in [getattr(stats, f.name)]}
+        return message_dict(self.service.aengine.stats())
 
     async def stop(self) -> None:
         if self._probe is not None:

@@ -70,3 +70,19 @@ def logprob_from_proto(token_id: int, message: pb.TokenLogprob, vocab_size: int 
         raise ValueError("a logprob is positive or NaN")
     return TokenLogprob(token_id, float(message.logprob), tuple(zip(ids, values, strict=True)))
 
+
+
+def message_dict(message) -> dict:
+    """A message as plain Python values (for Ray and JSON): scalars as they are (uint64
+    stays an int, unlike json_format), maps as dicts, repeated fields as lists, nested
+    messages as dicts, every field present."""
+    def value(v):
+        if isinstance(v, int | float | str | bool | bytes):
+            return v
+        if hasattr(v, "DESCRIPTOR"):
+            return message_dict(v)
+        if hasattr(v, "items"):
+            return {k: value(x) for k, x in v.items()}
+        return [value(x) for x in v]
+
+    return {f.name: value(getattr(message, f.name)) for f in message.DESCRIPTOR.fields}
