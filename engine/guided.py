@@ -27,21 +27,27 @@ _OPTIONS = {"whitespace_flexible": False}
 
 def schema_error(schema: str) -> str | None:
     """What is wrong with a JSON schema (JSON text), or None if a grammar compiles from it."""
+    return _compile(schema)[1]
+
+
+def _compile(schema: str) -> tuple[str | None, str | None]:
+    """(llguidance grammar, None) for a JSON schema (JSON text), or (None, what is wrong)."""
     try:
         parsed = json.loads(schema)
     except (TypeError, ValueError) as e:
-        return f"not valid JSON: {e}"
+        return None, f"not valid JSON: {e}"
     if not isinstance(parsed, dict | bool):
-        return f"a JSON schema is an object, got {type(parsed).__name__}"
+        return None, f"a JSON schema is an object, got {type(parsed).__name__}"
     from llguidance import LLMatcher  # imported only where structured output is used
 
     try:
         grammar = LLMatcher.grammar_from_json_schema(schema, defaults=_OPTIONS)
-        return LLMatcher.validate_grammar(grammar) or None
+        error = LLMatcher.validate_grammar(grammar)
     except BaseException as e:  # any failure to compile is the schema's fault
         if not _is_failure(e):
             raise
-        return str(e).split("\n")[0] or type(e).__name__
+        return None, str(e).split("\n")[0] or type(e).__name__
+    return (None, error) if error else (grammar, None)
 
 
 def _is_failure(e: BaseException) -> bool:
@@ -70,26 +76,28 @@ class GuideFactory:
         """A guide for output matching `schema`; ValueError naming what is wrong with it."""
         from llguidance import LLMatcher
 
-        error = schema_error(schema)
+        grammar, error = _compile(schema)
         if error:
             raise ValueError(f"json_schema: {error}")
-        grammar = LLMatcher.grammar_from_json_schema(schema, defaults=_OPTIONS)
         tokenizer = self._tokenizer
 
         def new_matcher():
             return LLMatcher(tokenizer, grammar, log_level=0)
 
-        if new_matcher().is_error():
-            raise ValueError(f"json_schema: {new_matcher().get_error()}")
-        return Guide(new_matcher, self.vocab_size)
+        matcher = new_matcher()
+        if matcher.is_error():
+            raise ValueError(f"json_schema: {matcher.get_error()}")
+        return Guide(new_matcher, self.vocab_size, matcher)
 
 
 class Guide:
     """One request's grammar state, kept equal to the tokens it has generated."""
 
-    def __init__(self, new_matcher, vocab_size: int) -> None:
+    def __init__(self, new_matcher, vocab_size: int, matcher=None) -> None:
+        """`new_matcher()` makes a fresh matcher (to start again from); `matcher`, if given,
+        is one already made."""
         self._new_matcher = new_matcher
-        self._matcher = new_matcher()
+        self._matcher = matcher if matcher is not None else new_matcher()
         self._vocab_size = vocab_size
         self._consumed: list[int] = []
 

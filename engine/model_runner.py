@@ -15,7 +15,7 @@ import torch
 from engine.model.attention import AttentionMetadata, PrefillSpan
 from engine.model.llama import CausalLM
 from engine.outputs import TokenLogprob
-from engine.sampler import sample_with_logprobs
+from engine.sampler import sample_with_logprobs, token_logprobs
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 
 KVHook = Callable[[str, int, int, torch.Tensor, torch.Tensor], None]
@@ -81,13 +81,8 @@ class ModelRunner:
         log-softmax), a slice of rows at a time to bound the `[rows, vocab]` logits."""
         scored = []
         for begin in range(0, len(targets), _SCORE_ROWS):
-            want = torch.as_tensor(targets[begin:begin + _SCORE_ROWS], device=self.device)
-            dist = torch.log_softmax(self.model.compute_logits(hidden[begin:begin + _SCORE_ROWS]).float(), dim=-1)
-            chosen = dist.gather(1, want[:, None])[:, 0].tolist()
-            top_values, top_ids = dist.topk(k, dim=-1) if k else (dist[:, :0], dist[:, :0].long())
-            for token, value, ids, values in zip(want.tolist(), chosen, top_ids.tolist(), top_values.tolist(),
-                                                 strict=True):
-                scored.append(TokenLogprob(token, value, tuple(zip(ids, values, strict=True))))
+            rows = targets[begin:begin + _SCORE_ROWS]
+            scored += token_logprobs(self.model.compute_logits(hidden[begin:begin + len(rows)]), rows, [k] * len(rows))
         return scored
 
     def _layer_hook(self, chunks: list[ScheduledChunk]):

@@ -91,16 +91,23 @@ def sample_with_logprobs(logits: torch.Tensor, params: list[SamplingParams], see
     if asked:
         sampled_row = {row: n for n, row in enumerate(rows)}
         dist = torch.stack([processed[sampled_row[i]] if i in sampled_row else logits[i] for i in asked])
-        dist = torch.log_softmax(dist.float(), dim=-1)
-        chosen = dist.gather(1, tokens[asked][:, None])[:, 0].tolist()
-        k = max(params[i].logprobs for i in asked)
-        top_values, top_ids = dist.topk(k, dim=-1) if k else (dist[:, :0], dist[:, :0].long())
-        top_values, top_ids = top_values.tolist(), top_ids.tolist()
-        for n, i in enumerate(asked):
-            want = params[i].logprobs
-            top = tuple(zip(top_ids[n][:want], top_values[n][:want], strict=True))
-            logprobs[i] = TokenLogprob(token_list[i], chosen[n], top)
+        found = token_logprobs(dist, [token_list[i] for i in asked], [params[i].logprobs for i in asked])
+        for i, logprob in zip(asked, found, strict=True):
+            logprobs[i] = logprob
     return token_list, logprobs
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], ks: list[int]) -> list[TokenLogprob]:
+    """For each row of `logits` `[rows, vocab]`: the log-softmax value of `token_ids[row]`
+    and the `ks[row]` most likely tokens' (the sampler's logprobs, and prompt scoring's)."""
+    dist = torch.log_softmax(logits.float(), dim=-1)
+    want = torch.as_tensor(token_ids, device=dist.device)
+    chosen = dist.gather(1, want[:, None])[:, 0].tolist()
+    k = max(ks)
+    top_values, top_ids = dist.topk(k, dim=-1) if k else (dist[:, :0], dist[:, :0].long())
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    return [TokenLogprob(token, value, tuple(zip(top_ids[n][:ks[n]], top_values[n][:ks[n]], strict=True)))
+            for n, (token, value) in enumerate(zip(token_ids, chosen, strict=True))]
 
 
 def _processed_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable
 
 
@@ -23,8 +24,7 @@ class Histogram:
         self.sum = 0.0
 
     def observe(self, value: float) -> None:
-        index = next((i for i, bound in enumerate(self.bounds) if value <= bound), len(self.bounds))
-        self.counts[index] += 1
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1  # the first bound >= value
         self.sum += value
 
     @property
