@@ -76,7 +76,10 @@ def run_pdserve(llm, requests: list[dict]) -> dict:
 
 
 def decode_step_pdserve(llm, batch: int, context: int, steps: int) -> dict:
-    """Median engine-step and forward-only time once `batch` requests are all decoding."""
+    """Median engine-step and forward-only time once `batch` requests are all decoding, and
+    where a forward's time goes: paged attention (with its KV writes), linear layers, and
+    the rest (embedding, the fused norms, RoPE and SwiGLU), each a mean over the steps."""
+    import engine.model.llama as llama
     from engine import SamplingParams
 
     engine = llm.engine
@@ -86,29 +89,41 @@ def decode_step_pdserve(llm, batch: int, context: int, steps: int) -> dict:
         engine.add_request(f"step-{i}", torch.randint(3, 40000, (context,), generator=gen).tolist(), params)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
         engine.step()
-    step_times, forward_times = [], []
-    runner, model = engine.runner, engine.loaded.model
-    original_forward = model.forward
+    engine.step()  # every request decoding from here on
+    spent = {"forward": [], "attention": [], "linear": []}
+    model = engine.loaded.model
+    originals = {"forward": model.forward, "attention": llama.paged_attention, "linear": llama.linear}
 
-    def timed_forward(*args, **kwargs):
-        t = time.perf_counter()
-        out = original_forward(*args, **kwargs)
-        forward_times.append(time.perf_counter() - t)
-        return out
+    in_forward = []  # the LM head's linear (compute_logits) runs outside the forward
 
-    model.forward = timed_forward
+    def timed(name):
+        def run(*args, **kwargs):
+            in_forward.append(name)
+            t = time.perf_counter()
+            try:
+                return originals[name](*args, **kwargs)
+            finally:
+                if name == "forward" or "forward" in in_forward[:-1]:
+                    spent[name].append(time.perf_counter() - t)
+                in_forward.pop()
+        return run
+
+    model.forward, llama.paged_attention, llama.linear = timed("forward"), timed("attention"), timed("linear")
+    step_times = []
     try:
         for _ in range(steps):
             t = time.perf_counter()
             engine.step()
             step_times.append(time.perf_counter() - t)
     finally:
-        model.forward = original_forward
+        model.forward, llama.paged_attention, llama.linear = (originals[k] for k in ("forward", "attention", "linear"))
         for i in range(batch):
             engine.abort_request(f"step-{i}")
-    assert runner.kv_cache is not None
+    forward = sum(spent["forward"]) / steps
+    mean = {name: 1000 * sum(spent[name]) / steps for name in ("attention", "linear")}
     return {"engine_step_ms_median": 1000 * statistics.median(step_times),
-            "forward_ms_median": 1000 * statistics.median(forward_times)}
+            "forward_ms_median": 1000 * statistics.median(spent["forward"]),
+            "breakdown_ms_mean": {**mean, "other": 1000 * forward - sum(mean.values()), "forward": 1000 * forward}}
 
 
 def decode_step_hf(model, batch: int, context: int, steps: int) -> dict:

@@ -50,3 +50,14 @@ def tiny_qwen2_dir(tmp_path_factory, smollm2_dir) -> Path:
     from testkit.models import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", smollm2_dir, seed=2)
+
+
+@pytest.fixture(scope="session")
+def cpu_kernels():
+    """The compiled CPU kernels module (skips the test where it cannot be built)."""
+    from engine.model import kernels
+
+    built = kernels.cpu_kernels()
+    if built is None:
+        pytest.skip("the C++ kernels cannot be built here")
+    return built

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.model.kernels import decode_kernel
+from engine.model.kernels import cpu_kernels
 
 _ONE_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -74,7 +74,7 @@ def paged_attention(
     if meta.num_decodes:
         idx = meta.decode_token_index
         out[idx] = _decode_attention(q[idx], k_cache, v_cache, meta, scale)
-    kernel = decode_kernel() if q.device.type == "cpu" and q.dtype in _ONE_KERNEL_DTYPES else None
+    kernel = cpu_kernels() if q.device.type == "cpu" and q.dtype in _ONE_KERNEL_DTYPES else None
     for span in meta.prefills:
         rows = slice(span.token_start, span.token_start + span.num_tokens)
         if kernel is not None:
@@ -93,7 +93,7 @@ def _prefill_through_kernel(kernel, q, k_cache, v_cache, span: PrefillSpan, scal
 
 
 def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-    kernel = decode_kernel() if q.device.type == "cpu" else None
+    kernel = cpu_kernels() if q.device.type == "cpu" else None
     if kernel is not None:
         return kernel.paged_decode_attention(
             q.contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_ctx_lens, scale

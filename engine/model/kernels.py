@@ -1,11 +1,12 @@
-"""The CPU paged-decode-attention kernel (csrc/paged_attention.cpp), compiled on first use.
+"""The CPU kernels (csrc/): paged decode attention and the fused token-wise ops of a layer
+(RMSNorm with the residual add, SwiGLU's silu-times-up, RoPE), compiled on first use.
 
 Compiled on the machine that runs it (so `-march=native` is safe) into the pdserve cache and
 reused afterwards. The build directory is keyed by everything the binary depends on: the
 source, torch's version, the compiler flags and the CPU's instruction set, so a cache shared
 between machines (an NFS home, a copied image) never hands one CPU another's binary.
 If no C++ compiler is available the engine falls back to a gather-based torch path, which
-is correct but slower; `decode_kernel()` returns None in that case.
+is correct but slower; `cpu_kernels()` returns None in that case.
 Set `PDSERVE_DISABLE_CPU_KERNEL=1` to force the fallback.
 """
 
@@ -22,7 +23,8 @@ import torch
 from engine.cpu import first_cpu_info
 
 logger = logging.getLogger(__name__)
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+_SOURCES = tuple(Path(__file__).parent / "csrc" / name
+                 for name in ("paged_attention.cpp", "fused_ops.cpp", "bindings.cpp"))
 _CFLAGS = ("-O3", "-ffast-math", "-march=native", "-fopenmp")
 _LDFLAGS = ("-fopenmp", "-lmvec")
 
@@ -37,28 +39,29 @@ def cpu_instruction_set() -> str:
 
 
 def build_tag(source: bytes) -> str:
-    """Key of a kernel build: source, torch version, flags and this CPU's instruction set."""
+    """Key of a kernel build: sources, torch version, flags and this CPU's instruction set."""
     parts = [source, torch.__version__.encode(), " ".join(_CFLAGS + _LDFLAGS).encode(),
              cpu_instruction_set().encode()]
     return hashlib.sha1(b"\0".join(parts)).hexdigest()[:12]
 
 
 @functools.cache
-def decode_kernel():
+def cpu_kernels():
     """Return the compiled extension module, or None when it cannot be built here."""
     if os.environ.get("PDSERVE_DISABLE_CPU_KERNEL") == "1":
         return None
     from engine.model_source import cache_dir, file_lock
 
-    source = _SOURCE.read_bytes()
-    tag = build_tag(source)
-    build_dir = cache_dir() / "torch_extensions" / f"paged_attention-{tag}"
+    sources = {path.name: path.read_bytes() for path in _SOURCES}
+    tag = build_tag(b"\0".join(sources.values()))
+    build_dir = cache_dir() / "torch_extensions" / f"cpu_kernels-{tag}"
     build_dir.mkdir(parents=True, exist_ok=True)
-    # Compile a copy inside the content-addressed build dir: every checkout then names the
-    # same source path, so torch does not rebuild for each one.
-    local_source = build_dir / _SOURCE.name
-    if not local_source.exists() or local_source.read_bytes() != source:
-        local_source.write_bytes(source)
+    # Compile copies inside the content-addressed build dir: every checkout then names the
+    # same source paths, so torch does not rebuild for each one.
+    for name, source in sources.items():
+        local = build_dir / name
+        if not local.exists() or local.read_bytes() != source:
+            local.write_bytes(source)
     try:
         from torch.utils.cpp_extension import load
 
@@ -67,16 +70,16 @@ def decode_kernel():
         # torch lock is stale and safe to remove.
         with file_lock(build_dir.parent / f".{build_dir.name}.lock"):
             (build_dir / "lock").unlink(missing_ok=True)
-            if not (build_dir / "pdserve_paged_attention.so").exists():
-                logger.warning("compiling the CPU paged-attention kernel (once, ~30 s)")
+            if not (build_dir / "pdserve_cpu_kernels.so").exists():
+                logger.warning("compiling the CPU kernels (once, ~1 min)")
             return load(
-                name="pdserve_paged_attention",
-                sources=[str(local_source)],
+                name="pdserve_cpu_kernels",
+                sources=[str(build_dir / name) for name in sources],
                 build_directory=str(build_dir),
                 extra_cflags=list(_CFLAGS),
                 extra_ldflags=list(_LDFLAGS),
                 verbose=False,
             )
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the fallback
-        logger.warning("CPU paged-attention kernel unavailable (%s); using the torch path", exc)
+        logger.warning("CPU kernels unavailable (%s); using the torch path", exc)
         return None

@@ -2,8 +2,9 @@
 
 RMSNorm, RoPE (with the scaling variants transformers knows), grouped-query attention over
 the paged KV cache, SwiGLU MLP, optional linear biases (Qwen2's qkv bias), tied embeddings.
-Token-wise ops run on all of a step's tokens at once as one `[num_tokens, hidden]` matrix;
-only attention looks at sequences (engine.model.attention).
+Token-wise ops run on all of a step's tokens at once as one `[num_tokens, hidden]` matrix
+(engine.model.fused: each residual add is fused with the norm after it); only attention
+looks at sequences (engine.model.attention).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.attention import AttentionMetadata, paged_attention
+from engine.model.fused import add_rms_norm, rope, silu_mul
 from engine.model.linear import can_pack, linear, pack
 from engine.model.weights import CheckpointReader
 
@@ -98,24 +100,24 @@ class CausalLM:
         """
         s = self.shape
         num_tokens = input_ids.shape[0]
-        cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
         hidden = F.embedding(input_ids, self.embed)
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        delta = None  # what the previous layer's MLP adds to the residual stream
         for index, layer in enumerate(self.layers):
-            x = rms_norm(hidden, layer.input_norm, s.rms_norm_eps)
+            hidden, x = add_rms_norm(hidden, delta, layer.input_norm, s.rms_norm_eps)
             qkv = linear(x, layer.qkv_weight, layer.qkv_bias)
             qk, v = qkv.split([q_size + kv_size, kv_size], dim=-1)
-            qk = apply_rope(qk.view(num_tokens, s.num_heads + s.num_kv_heads, s.head_dim), cos, sin)
-            q, k = qk.split([s.num_heads, s.num_kv_heads], dim=1)
+            qk = qk.view(num_tokens, s.num_heads + s.num_kv_heads, s.head_dim)
+            q, k = rope(qk, positions, self.rope_cos, self.rope_sin, s.num_heads)
             v = v.view(num_tokens, s.num_kv_heads, s.head_dim)
             if layer_hook is not None:
                 layer_hook(index, k, v)
             attn = paged_attention(q, k, v, kv_cache[index, 0], kv_cache[index, 1], meta, self.scale)
-            hidden = hidden + linear(attn.reshape(num_tokens, q_size), layer.o_weight, layer.o_bias)
-            x = rms_norm(hidden, layer.post_norm, s.rms_norm_eps)
-            gate, up = linear(x, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
-            hidden = hidden + linear(F.silu(gate) * up, layer.down_weight, layer.down_bias)
-        return rms_norm(hidden, self.norm, s.rms_norm_eps)
+            attn_out = linear(attn.reshape(num_tokens, q_size), layer.o_weight, layer.o_bias)
+            hidden, x = add_rms_norm(hidden, attn_out, layer.post_norm, s.rms_norm_eps)
+            delta = linear(silu_mul(linear(x, layer.gate_up_weight, layer.gate_up_bias)), layer.down_weight,
+                           layer.down_bias)
+        return add_rms_norm(hidden, delta, self.norm, s.rms_norm_eps)[1]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -145,19 +147,6 @@ def _load_layer(reader: CheckpointReader, i: int) -> DecoderLayer:
         down_weight=pack(reader.get(mlp + "down_proj.weight")),
         down_bias=reader.optional(mlp + "down_proj.bias"),
     )
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in fp32, as the reference implementation does."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 def rope_tables(hf_config, max_len: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, ...]:

@@ -46,7 +46,8 @@ def run(installed, *args, timeout=600):
 
 def test_wheel_holds_what_the_code_needs_at_run_time(installed):
     names = set(zipfile.ZipFile(installed[3]).namelist())
-    for needed in ("engine/model/csrc/paged_attention.cpp", "protos/pdserve.proto", "protos/pdserve_pb2.py",
+    for needed in ("engine/model/csrc/paged_attention.cpp", "engine/model/csrc/fused_ops.cpp",
+                   "engine/model/csrc/bindings.cpp", "protos/pdserve.proto", "protos/pdserve_pb2.py",
                    "protos/pdserve_pb2_grpc.py", "worker_base/server.py"):
         assert needed in names, needed
     assert not any(n.startswith(("tests/", "testkit/", "benchmarks/")) for n in names)
@@ -63,7 +64,7 @@ def test_help_and_generate_from_the_installed_wheel(installed):
               "--temperature", "0")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "finish_reason=length" in out.stdout + out.stderr
-    kernels = list((Path(env["PDSERVE_CACHE"]) / "torch_extensions").glob("paged_attention-*/*.so"))
+    kernels = list((Path(env["PDSERVE_CACHE"]) / "torch_extensions").glob("cpu_kernels-*/*.so"))
     assert kernels, "the CPU kernel did not build from the wheel's source: " + out.stderr[-2000:]
 
 

@@ -12,10 +12,10 @@ from engine.model import attention, kernels
 
 
 def test_fallback_attention_gives_the_kernels_greedy_tokens(tiny_llama_dir, monkeypatch):
-    if kernels.decode_kernel() is None:
+    if kernels.cpu_kernels() is None:
         pytest.skip("the C++ kernel cannot be built here: only the fallback exists to compare")
     used = []  # what each decode-attention call got: the kernel module, or None (the fallback)
-    monkeypatch.setattr(attention, "decode_kernel", lambda: used.append(kernels.decode_kernel()) or used[-1])
+    monkeypatch.setattr(attention, "cpu_kernels", lambda: used.append(kernels.cpu_kernels()) or used[-1])
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (5, 16, 17, 40, 100, 130)]
     # fp32: in bf16 the two round differently (bf16 keeps one kernel for every token instead)
@@ -26,11 +26,11 @@ def test_fallback_attention_gives_the_kernels_greedy_tokens(tiny_llama_dir, monk
     assert used and all(k is not None for k in used)
     used.clear()
     os.environ["PDSERVE_DISABLE_CPU_KERNEL"] = "1"
-    kernels.decode_kernel.cache_clear()
+    kernels.cpu_kernels.cache_clear()
     try:
         fallback = [o.token_ids for o in llm.generate(prompts, params)]
     finally:
         del os.environ["PDSERVE_DISABLE_CPU_KERNEL"]
-        kernels.decode_kernel.cache_clear()
+        kernels.cpu_kernels.cache_clear()
     assert used and all(k is None for k in used)
     assert fallback == with_kernel

@@ -1,0 +1,20 @@
+// The Python module of the CPU kernels: paged decode attention and the fused token-wise ops.
+#include <torch/extension.h>
+
+#include <tuple>
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor ctx_lens, double scale);
+torch::Tensor add_rms_norm(torch::Tensor hidden, c10::optional<torch::Tensor> delta, torch::Tensor weight,
+                           double eps);
+torch::Tensor silu_mul(torch::Tensor gate_up);
+std::tuple<torch::Tensor, torch::Tensor> rope(torch::Tensor qk, torch::Tensor positions, torch::Tensor cos,
+                                              torch::Tensor sin, int64_t num_q_heads);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "decode attention reading K/V in place through block tables");
+  m.def("add_rms_norm", &add_rms_norm, "hidden += delta (if given) in place, then RMSNorm(hidden)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of [rows, 2I] gate and up side by side");
+  m.def("rope", &rope, "rotate-half RoPE of the q and k heads of a strided qk view; returns q, k");
+}

@@ -1,0 +1,147 @@
+// The token-wise ops of a decoder layer, fused: one pass over each row instead of one torch
+// op (and one temporary) per arithmetic step. Each computes what the torch code in
+// engine/model/fused.py computes, in the same precision: fp32 arithmetic with a rounding to
+// the tensor's dtype wherever the torch code holds a value in that dtype. Rows are
+// independent, so a row's result never depends on the batch it is in.
+// (Pragmas are written _Pragma: AT_DISPATCH takes the loops as a macro argument.)
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <tuple>
+
+namespace {
+
+// Rows per parallel chunk: a few hundred KB of work each, so a decode batch stays on one
+// thread only when it is small.
+int64_t grain(int64_t row_elements) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elements)); }
+
+template <typename T>
+inline T round_to(float x) { return static_cast<T>(x); }
+
+// out = weight * T(x * rsqrt(mean(x^2) + eps)), x in fp32
+template <typename T>
+inline void norm_row(const T* x, const T* weight, int64_t n, float eps, T* out) {
+  float sum = 0.f;
+  _Pragma("omp simd reduction(+ : sum)")
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = static_cast<float>(x[i]);
+    sum += v * v;
+  }
+  const float r = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+  _Pragma("omp simd")
+  for (int64_t i = 0; i < n; ++i)
+    out[i] = round_to<T>(static_cast<float>(weight[i]) * static_cast<float>(round_to<T>(static_cast<float>(x[i]) * r)));
+}
+
+void check_rows(const torch::Tensor& x, const torch::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "expected a contiguous [rows, hidden] tensor");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(), "weight must be [hidden]");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight and input dtypes differ");
+}
+
+}  // namespace
+
+// `hidden += delta` (in hidden's dtype) when delta is given, then RMSNorm of hidden.
+// Returns the normalised rows; hidden is updated in place.
+torch::Tensor add_rms_norm(torch::Tensor hidden, c10::optional<torch::Tensor> delta, torch::Tensor weight,
+                           double eps) {
+  check_rows(hidden, weight);
+  const bool add = delta.has_value();
+  if (add) TORCH_CHECK(delta->sizes() == hidden.sizes() && delta->is_contiguous() &&
+                       delta->scalar_type() == hidden.scalar_type(), "delta must match hidden");
+  auto out = torch::empty_like(hidden);
+  const int64_t n = hidden.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hidden.scalar_type(), "add_rms_norm", [&] {
+    scalar_t* h = hidden.data_ptr<scalar_t>();
+    const scalar_t* d = add ? delta->data_ptr<scalar_t>() : nullptr;
+    const scalar_t* w = weight.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, hidden.size(0), grain(n), [&](int64_t begin, int64_t end) {
+      for (int64_t row = begin; row < end; ++row) {
+        scalar_t* hr = h + row * n;
+        if (add) {
+          const scalar_t* dr = d + row * n;
+          _Pragma("omp simd")
+          for (int64_t i = 0; i < n; ++i)
+            hr[i] = round_to<scalar_t>(static_cast<float>(hr[i]) + static_cast<float>(dr[i]));
+        }
+        norm_row(hr, w, n, static_cast<float>(eps), o + row * n);
+      }
+    });
+  });
+  return out;
+}
+
+// [rows, 2I] gate and up side by side -> T(T(silu(gate)) * up), [rows, I].
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "expected a contiguous [rows, 2 * intermediate] tensor");
+  const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
+  auto out = torch::empty({rows, n}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
+    const scalar_t* in = gate_up.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, grain(2 * n), [&](int64_t begin, int64_t end) {
+      for (int64_t row = begin; row < end; ++row) {
+        const scalar_t* g = in + row * 2 * n;
+        const scalar_t* u = g + n;
+        scalar_t* orow = o + row * n;
+        _Pragma("omp simd")
+        for (int64_t i = 0; i < n; ++i) {
+          const float x = static_cast<float>(g[i]);
+          const float silu = static_cast<float>(round_to<scalar_t>(x / (1.f + expf(-x))));
+          orow[i] = round_to<scalar_t>(silu * static_cast<float>(u[i]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// RoPE (rotate-half) on the q and k heads of a [tokens, q_heads + kv_heads, D] view (rows may
+// be strided: it is a slice of the fused qkv output), with the cos/sin tables [max_len, D]
+// indexed by positions. Returns q [tokens, q_heads, D] and k [tokens, kv_heads, D], each
+// contiguous: T(T(x * cos) + T(rotate_half(x) * sin)).
+std::tuple<torch::Tensor, torch::Tensor> rope(torch::Tensor qk, torch::Tensor positions, torch::Tensor cos,
+                                              torch::Tensor sin, int64_t num_q_heads) {
+  TORCH_CHECK(qk.dim() == 3 && qk.stride(2) == 1 && qk.stride(1) == qk.size(2), "qk rows must hold contiguous heads");
+  TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.dim() == 1 && positions.size(0) == qk.size(0),
+              "positions must be int64 [tokens]");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == qk.size(2) &&
+              cos.scalar_type() == qk.scalar_type() && sin.sizes() == cos.sizes(), "cos/sin must be [max_len, D]");
+  const int64_t tokens = qk.size(0), heads = qk.size(1), dim = qk.size(2), half = dim / 2;
+  TORCH_CHECK(num_q_heads > 0 && num_q_heads < heads && dim % 2 == 0, "bad head split");
+  auto q = torch::empty({tokens, num_q_heads, dim}, qk.options());
+  auto k = torch::empty({tokens, heads - num_q_heads, dim}, qk.options());
+  auto pos = positions.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qk.scalar_type(), "rope", [&] {
+    const scalar_t* in = qk.data_ptr<scalar_t>();
+    const scalar_t* cos_t = cos.data_ptr<scalar_t>();
+    const scalar_t* sin_t = sin.data_ptr<scalar_t>();
+    const int64_t* p = pos.data_ptr<int64_t>();
+    scalar_t* q_out = q.data_ptr<scalar_t>();
+    scalar_t* k_out = k.data_ptr<scalar_t>();
+    const int64_t row_stride = qk.stride(0), max_len = cos.size(0);
+    for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(p[t] >= 0 && p[t] < max_len, "position out of range");
+    at::parallel_for(0, tokens, grain(heads * dim), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const scalar_t* c = cos_t + p[t] * dim;
+        const scalar_t* s = sin_t + p[t] * dim;
+        for (int64_t h = 0; h < heads; ++h) {
+          const scalar_t* x = in + t * row_stride + h * dim;
+          scalar_t* o = h < num_q_heads ? q_out + (t * num_q_heads + h) * dim
+                                        : k_out + (t * (heads - num_q_heads) + h - num_q_heads) * dim;
+          _Pragma("omp simd")
+          for (int64_t i = 0; i < dim; ++i) {
+            const float rotated = i < half ? -static_cast<float>(x[i + half]) : static_cast<float>(x[i - half]);
+            const float a = static_cast<float>(round_to<scalar_t>(static_cast<float>(x[i]) * static_cast<float>(c[i])));
+            const float b = static_cast<float>(round_to<scalar_t>(rotated * static_cast<float>(s[i])));
+            o[i] = round_to<scalar_t>(a + b);
+          }
+        }
+      }
+    });
+  });
+  return {q, k};
+}

@@ -1,0 +1,66 @@
+"""The fused CPU kernels of a layer's token-wise ops compute what their torch references in
+engine.model.fused compute, row by row: the same arithmetic in the same precision, so any
+difference is a few roundings of the dtype (fp32 sums in another order, another expf)."""
+
+import pytest
+import torch
+
+from engine.model import fused
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def assert_within_roundings(got, expected):
+    eps = torch.finfo(got.dtype).eps
+    torch.testing.assert_close(got, expected, rtol=4 * eps, atol=eps)
+
+
+def reference(monkeypatch, fn, *args):
+    with monkeypatch.context() as m:
+        m.setattr(fused, "cpu_kernels", lambda: None)
+        return fn(*args)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rms_norm(cpu_kernels, monkeypatch, dtype, with_delta):
+    gen = torch.Generator().manual_seed(0)
+    hidden = (3 * torch.randn(37, 576, generator=gen)).to(dtype)
+    delta = torch.randn(37, 576, generator=gen).to(dtype) if with_delta else None
+    weight = torch.rand(576, generator=gen).to(dtype) + 0.5
+    expected_hidden, expected = reference(monkeypatch, fused.add_rms_norm, hidden.clone(), delta, weight, 1e-5)
+    got_hidden, got = fused.add_rms_norm(hidden, delta, weight, 1e-5)
+    assert got_hidden.data_ptr() == hidden.data_ptr()  # updated in place
+    torch.testing.assert_close(got_hidden, expected_hidden, rtol=0, atol=0)  # one add, one rounding
+    assert_within_roundings(got, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(cpu_kernels, monkeypatch, dtype):
+    gate_up = (4 * torch.randn(23, 2 * 1536, generator=torch.Generator().manual_seed(1))).to(dtype)
+    assert_within_roundings(fused.silu_mul(gate_up), reference(monkeypatch, fused.silu_mul, gate_up))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_rope_on_a_strided_qkv_slice(cpu_kernels, monkeypatch, dtype, head_dim):
+    gen = torch.Generator().manual_seed(2)
+    heads, kv_heads, tokens = 9, 3, 11
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    qk = qkv[:, :(heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
+    angles = torch.arange(100)[:, None] * torch.rand(head_dim // 2, generator=gen)[None]
+    cos = torch.cat([angles.cos()] * 2, dim=-1).to(dtype)
+    sin = torch.cat([angles.sin()] * 2, dim=-1).to(dtype)
+    positions = torch.randint(0, 100, (tokens,), generator=gen)
+    q, k = fused.rope(qk, positions, cos, sin, heads)
+    expected_q, expected_k = reference(monkeypatch, fused.rope, qk, positions, cos, sin, heads)
+    assert q.shape == (tokens, heads, head_dim) and k.shape == (tokens, kv_heads, head_dim)
+    assert_within_roundings(q, expected_q)
+    assert_within_roundings(k, expected_k)
+
+
+def test_rope_refuses_a_position_past_the_table(cpu_kernels):
+    qk = torch.zeros(2, 4, 16)
+    table = torch.zeros(8, 16)
+    with pytest.raises(RuntimeError, match="position out of range"):
+        cpu_kernels.rope(qk, torch.tensor([0, 8]), table, table, 2)

@@ -1,0 +1,70 @@
+"""The CPU paged-decode-attention kernel against an fp64 reference, and its batch invariance.
+
+The kernel has an AVX-512 path for head sizes 16/32/64/128 (with vdpbf16ps for bf16 where
+the CPU has avx512_bf16) and a portable one for other sizes; both are checked here over
+GQA groups, partial blocks and block sizes that do not divide 16.
+"""
+
+import pytest
+import torch
+
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+def make_case(dtype, head_dim, num_heads, num_kv_heads, block_size, ctx_lens, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    max_blocks = max((n + block_size - 1) // block_size for n in ctx_lens)
+    num_blocks = len(ctx_lens) * max_blocks + 3
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    q = torch.randn(len(ctx_lens), num_heads, head_dim, generator=gen).to(dtype)
+    order = torch.randperm(num_blocks, generator=gen)  # blocks scattered through the cache
+    tables = torch.zeros(len(ctx_lens), max_blocks, dtype=torch.int64)
+    for b in range(len(ctx_lens)):
+        tables[b] = order[b * max_blocks:(b + 1) * max_blocks]
+    return q, k_cache, v_cache, tables, torch.tensor(ctx_lens, dtype=torch.int64)
+
+
+def reference(q, k_cache, v_cache, tables, ctx_lens, scale):
+    """fp64 attention of each sequence over its cached tokens, read through its table."""
+    num_heads, group = q.shape[1], q.shape[1] // k_cache.shape[2]
+    block_size = k_cache.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for b, n in enumerate(ctx_lens.tolist()):
+        slots = torch.tensor([int(tables[b, p // block_size]) * block_size + p % block_size for p in range(n)])
+        keys = k_cache.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)  # [n, H, D]
+        values = v_cache.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[b].double(), keys) * scale
+        out[b] = torch.einsum("hn,nhd->hd", scores.softmax(-1), values)
+    assert out.shape[1] == num_heads
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [16, 24, 64, 128])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "block_size"), [(9, 3, 16), (4, 4, 5), (14, 2, 32)])
+def test_kernel_matches_fp64_reference(cpu_kernels, dtype, head_dim, num_heads, num_kv_heads, block_size):
+    ctx_lens = [1, 15, 16, 17, 33, 300]
+    case = make_case(dtype, head_dim, num_heads, num_kv_heads, block_size, ctx_lens)
+    scale = head_dim**-0.5
+    out = cpu_kernels.paged_decode_attention(*case, scale)
+    assert out.dtype == dtype
+    expected = reference(*case, scale)
+    assert (out.double() - expected).abs().max().item() < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_a_sequences_output_is_the_same_bits_in_any_batch(cpu_kernels, dtype, head_dim):
+    ctx_lens = [7, 300, 16, 45, 129]
+    q, k_cache, v_cache, tables, lens = make_case(dtype, head_dim, 9, 3, 16, ctx_lens, seed=3)
+    batched = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
+    for b in range(len(ctx_lens)):
+        alone = cpu_kernels.paged_decode_attention(q[b:b + 1].contiguous(), k_cache, v_cache,
+                                              tables[b:b + 1, :].contiguous(), lens[b:b + 1], 0.125)
+        assert torch.equal(alone[0], batched[b])
+    # and with a table padded wider (as a batch with longer sequences pads it)
+    wide = torch.zeros(len(ctx_lens), tables.shape[1] + 4, dtype=torch.int64)
+    wide[:, :tables.shape[1]] = tables
+    assert torch.equal(cpu_kernels.paged_decode_attention(q, k_cache, v_cache, wide, lens, 0.125), batched)
