@@ -25,6 +25,7 @@ serve: $(STAMP)
 	$(BIN)/pdserve up
 
 test: $(STAMP)
+	$(BIN)/python -m engine.model.kernels  # compiled once here, not inside the first test that serves
 	$(BIN)/python -m pytest -m "not gpu" -q tests
 
 lint: $(STAMP)

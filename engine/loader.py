@@ -41,6 +41,10 @@ def load_model(config: EngineConfig) -> LoadedModel:
     check_architecture(hf_config)
     device, dtype = resolve_device_dtype(config)
     max_model_len = resolve_max_model_len(config, hf_config)
+    if device.type == "cpu":
+        from engine.model.kernels import cpu_kernels
+
+        cpu_kernels()  # built (once) at load, so no request waits for the compiler
     reader = CheckpointReader(model_dir, dtype, device)
     model = CausalLM(hf_config, reader, max_model_len)
     tokenizer = load_tokenizer(model_dir)

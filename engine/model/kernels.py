@@ -39,9 +39,12 @@ def cpu_instruction_set() -> str:
 
 
 def build_tag(source: bytes) -> str:
-    """Key of a kernel build: sources, torch version, flags and this CPU's instruction set."""
-    parts = [source, torch.__version__.encode(), " ".join(_CFLAGS + _LDFLAGS).encode(),
-             cpu_instruction_set().encode()]
+    """Key of a kernel build: sources, torch version and install, flags and this CPU's
+    instruction set. The install is part of it because torch writes the build's include
+    paths into its ninja file: two environments sharing one build dir (a venv and the one
+    `ray up` makes on the same host, with one cache) rebuilt it for each other in turn."""
+    parts = [source, torch.__version__.encode(), str(Path(torch.__file__).parent).encode(),
+             " ".join(_CFLAGS + _LDFLAGS).encode(), cpu_instruction_set().encode()]
     return hashlib.sha1(b"\0".join(parts)).hexdigest()[:12]
 
 
@@ -71,7 +74,8 @@ def cpu_kernels():
         with file_lock(build_dir.parent / f".{build_dir.name}.lock"):
             (build_dir / "lock").unlink(missing_ok=True)
             if not (build_dir / "pdserve_cpu_kernels.so").exists():
-                logger.warning("compiling the CPU kernels (once, ~1 min)")
+                logger.warning("compiling the CPU kernels into %s (once per source, torch and CPU; ~40 s)",
+                               build_dir)
             return load(
                 name="pdserve_cpu_kernels",
                 sources=[str(build_dir / name) for name in sources],
@@ -83,3 +87,9 @@ def cpu_kernels():
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the fallback
         logger.warning("CPU kernels unavailable (%s); using the torch path", exc)
         return None
+
+
+if __name__ == "__main__":  # `python -m engine.model.kernels`: build now (make test does, before the suite)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    built = cpu_kernels()
+    print(f"CPU kernels: {built.__file__ if built is not None else 'unavailable (the torch fallback will run)'}")

@@ -10,6 +10,9 @@ def test_build_tag_changes_with_source_torch_and_cpu(monkeypatch):
     monkeypatch.setattr(kernels.torch, "__version__", "0.0.0-other")
     assert kernels.build_tag(b"source") != base
     monkeypatch.undo()
+    monkeypatch.setattr(kernels.torch, "__file__", "/another/venv/site-packages/torch/__init__.py")
+    assert kernels.build_tag(b"source") != base  # another environment's torch, same version
+    monkeypatch.undo()
     monkeypatch.setattr(kernels, "cpu_instruction_set", lambda: "a CPU without avx512")
     assert kernels.build_tag(b"source") != base
 

@@ -4,8 +4,11 @@
 // the tensor's dtype wherever the torch code holds a value in that dtype. Rows are
 // independent, so a row's result never depends on the batch it is in.
 // (Pragmas are written _Pragma: AT_DISPATCH takes the loops as a macro argument.)
-#include <torch/extension.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include <cmath>
 #include <tuple>
@@ -34,7 +37,7 @@ inline void norm_row(const T* x, const T* weight, int64_t n, float eps, T* out) 
     out[i] = round_to<T>(static_cast<float>(weight[i]) * static_cast<float>(round_to<T>(static_cast<float>(x[i]) * r)));
 }
 
-void check_rows(const torch::Tensor& x, const torch::Tensor& weight) {
+void check_rows(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "expected a contiguous [rows, hidden] tensor");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(), "weight must be [hidden]");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight and input dtypes differ");
@@ -44,13 +47,13 @@ void check_rows(const torch::Tensor& x, const torch::Tensor& weight) {
 
 // `hidden += delta` (in hidden's dtype) when delta is given, then RMSNorm of hidden.
 // Returns the normalised rows; hidden is updated in place.
-torch::Tensor add_rms_norm(torch::Tensor hidden, c10::optional<torch::Tensor> delta, torch::Tensor weight,
+at::Tensor add_rms_norm(at::Tensor hidden, c10::optional<at::Tensor> delta, at::Tensor weight,
                            double eps) {
   check_rows(hidden, weight);
   const bool add = delta.has_value();
   if (add) TORCH_CHECK(delta->sizes() == hidden.sizes() && delta->is_contiguous() &&
                        delta->scalar_type() == hidden.scalar_type(), "delta must match hidden");
-  auto out = torch::empty_like(hidden);
+  auto out = at::empty_like(hidden);
   const int64_t n = hidden.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hidden.scalar_type(), "add_rms_norm", [&] {
     scalar_t* h = hidden.data_ptr<scalar_t>();
@@ -74,11 +77,11 @@ torch::Tensor add_rms_norm(torch::Tensor hidden, c10::optional<torch::Tensor> de
 }
 
 // [rows, 2I] gate and up side by side -> T(T(silu(gate)) * up), [rows, I].
-torch::Tensor silu_mul(torch::Tensor gate_up) {
+at::Tensor silu_mul(at::Tensor gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
               "expected a contiguous [rows, 2 * intermediate] tensor");
   const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
-  auto out = torch::empty({rows, n}, gate_up.options());
+  auto out = at::empty({rows, n}, gate_up.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
     const scalar_t* in = gate_up.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
@@ -103,17 +106,17 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 // be strided: it is a slice of the fused qkv output), with the cos/sin tables [max_len, D]
 // indexed by positions. Returns q [tokens, q_heads, D] and k [tokens, kv_heads, D], each
 // contiguous: T(T(x * cos) + T(rotate_half(x) * sin)).
-std::tuple<torch::Tensor, torch::Tensor> rope(torch::Tensor qk, torch::Tensor positions, torch::Tensor cos,
-                                              torch::Tensor sin, int64_t num_q_heads) {
+std::tuple<at::Tensor, at::Tensor> rope(at::Tensor qk, at::Tensor positions, at::Tensor cos,
+                                              at::Tensor sin, int64_t num_q_heads) {
   TORCH_CHECK(qk.dim() == 3 && qk.stride(2) == 1 && qk.stride(1) == qk.size(2), "qk rows must hold contiguous heads");
-  TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.dim() == 1 && positions.size(0) == qk.size(0),
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 1 && positions.size(0) == qk.size(0),
               "positions must be int64 [tokens]");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == qk.size(2) &&
               cos.scalar_type() == qk.scalar_type() && sin.sizes() == cos.sizes(), "cos/sin must be [max_len, D]");
   const int64_t tokens = qk.size(0), heads = qk.size(1), dim = qk.size(2), half = dim / 2;
   TORCH_CHECK(num_q_heads > 0 && num_q_heads < heads && dim % 2 == 0, "bad head split");
-  auto q = torch::empty({tokens, num_q_heads, dim}, qk.options());
-  auto k = torch::empty({tokens, heads - num_q_heads, dim}, qk.options());
+  auto q = at::empty({tokens, num_q_heads, dim}, qk.options());
+  auto k = at::empty({tokens, heads - num_q_heads, dim}, qk.options());
   auto pos = positions.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qk.scalar_type(), "rope", [&] {
     const scalar_t* in = qk.data_ptr<scalar_t>();

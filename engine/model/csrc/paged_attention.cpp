@@ -3,8 +3,11 @@
 // One query token per sequence attends to that sequence's first ctx_lens[b] cached tokens,
 // read in place through its block table: no gathered copy of the KV is made. Work is split
 // over (sequence, kv head); every query head of a GQA group shares one pass over the keys.
-#include <torch/extension.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -55,8 +58,8 @@ struct Operands {
   const int64_t* lens;
   T* out;
   int64_t num_seqs, num_heads, head_dim, block_size, num_kv_heads, group, max_blocks, token_stride;
-  Operands(const torch::Tensor& q_, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-           const torch::Tensor& block_tables, const torch::Tensor& ctx_lens, torch::Tensor& out_)
+  Operands(const at::Tensor& q_, const at::Tensor& k_cache, const at::Tensor& v_cache,
+           const at::Tensor& block_tables, const at::Tensor& ctx_lens, at::Tensor& out_)
       : q(q_.data_ptr<T>()), k(k_cache.data_ptr<T>()), v(v_cache.data_ptr<T>()),
         tables(block_tables.data_ptr<int64_t>()), lens(ctx_lens.data_ptr<int64_t>()), out(out_.data_ptr<T>()),
         num_seqs(q_.size(0)), num_heads(q_.size(1)), head_dim(q_.size(2)), block_size(k_cache.size(1)),
@@ -67,9 +70,9 @@ struct Operands {
 // HEAD_DIM > 0 fixes the head size at compile time (fully unrolled inner loops); 0 reads it
 // from the tensors.
 template <typename T, int64_t HEAD_DIM>
-void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
-                           const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                           const torch::Tensor& ctx_lens, double scale, torch::Tensor& out) {
+void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& block_tables,
+                           const at::Tensor& ctx_lens, double scale, at::Tensor& out) {
   const Operands<T> o(q, k_cache, v_cache, block_tables, ctx_lens, out);
   const int64_t num_seqs = o.num_seqs, num_heads = o.num_heads, head_dim = HEAD_DIM > 0 ? HEAD_DIM : o.head_dim;
   const int64_t block_size = o.block_size, group = o.group, max_blocks = o.max_blocks, token_stride = o.token_stride;
@@ -206,9 +209,9 @@ struct DotFor { using type = Dot<T, D>; };
 #endif
 
 template <typename T, int64_t D>
-void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                      const torch::Tensor& block_tables, const torch::Tensor& ctx_lens, double scale,
-                      torch::Tensor& out) {
+void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& block_tables, const at::Tensor& ctx_lens, double scale,
+                      at::Tensor& out) {
   constexpr int64_t C = D / 16;              // vectors per head row
   constexpr int64_t HEADS_PER_PASS = 16 / C;  // output rows held in registers while V streams
   const Operands<T> o(q, k_cache, v_cache, block_tables, ctx_lens, out);
@@ -288,30 +291,29 @@ void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, cons
 
 // The AVX-512 kernel where this build has it (fp32, bf16 and fp16), the portable one otherwise.
 template <typename T, int64_t D>
-void fast_or_portable(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                      const torch::Tensor& block_tables, const torch::Tensor& ctx_lens, double scale,
-                      torch::Tensor& out) {
+void fast_or_portable(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& block_tables, const at::Tensor& ctx_lens, double scale,
+                      at::Tensor& out) {
 #if defined(__AVX512F__)
-  if constexpr (!std::is_same_v<T, double>) {
+  if constexpr (!std::is_same_v<T, double>)
     fast::decode_attention<T, D>(q, k_cache, v_cache, block_tables, ctx_lens, scale, out);
-    return;
-  }
+  else
 #endif
-  decode_attention_impl<T, D>(q, k_cache, v_cache, block_tables, ctx_lens, scale, out);
+    decode_attention_impl<T, D>(q, k_cache, v_cache, block_tables, ctx_lens, scale, out);
 }
 
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor ctx_lens, double scale) {
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                     at::Tensor block_tables, at::Tensor ctx_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "expected q [B, H, D] and k/v cache [blocks, block_size, kv_heads, D]");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "q and the caches must be contiguous");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "heads must be a multiple of kv heads");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && ctx_lens.scalar_type() == torch::kInt64,
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && ctx_lens.scalar_type() == at::kLong,
               "block_tables and ctx_lens must be int64");
   auto tables = block_tables.contiguous();
   auto lens = ctx_lens.contiguous();
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     switch (q.size(2)) {
 #if defined(__AVX512F__)
