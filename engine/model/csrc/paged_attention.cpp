@@ -167,7 +167,8 @@ inline __m512 transpose_sum16(const __m512* v) {
     b[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
   }
   for (int j = 0; j < 2; ++j)  // fold the four 128-bit lanes pairwise
-    c[j] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * j], b[2 * j + 1], 0x88), _mm512_shuffle_f32x4(b[2 * j], b[2 * j + 1], 0xDD));
+    c[j] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * j], b[2 * j + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * j], b[2 * j + 1], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
 }
 
@@ -208,6 +209,33 @@ template <typename T, int64_t D>
 struct DotFor { using type = Dot<T, D>; };
 #endif
 
+// sum over the cached tokens of p[h][t] * V[t] for NH query heads sharing one kv head
+// (`values` points at that head's slice of block 0's first row; probabilities [NH][ctx]).
+template <typename T, int64_t D, int64_t NH, int64_t MAX_NH>
+inline void weigh_values(const T* values, const int64_t* table, int64_t num_blocks, int64_t block_size,
+                         int64_t block_stride, int64_t token_stride, int64_t ctx, const float* probs,
+                         bool prefetch, __m512 (&out)[MAX_NH][D / 16]) {
+  constexpr int64_t C = D / 16;
+  __m512 acc[NH][C];
+  for (int64_t j = 0; j < NH; ++j)
+    for (int64_t c = 0; c < C; ++c) acc[j][c] = _mm512_setzero_ps();
+  for (int64_t blk = 0; blk < num_blocks; ++blk) {
+    const int64_t first = blk * block_size, count = std::min(block_size, ctx - first);
+    const T* value = values + table[blk] * block_stride;
+    if (prefetch) prefetch_row(values + table[std::min(blk + 1, num_blocks - 1)] * block_stride, block_stride);
+    for (int64_t i = 0; i < count; ++i, value += token_stride) {
+      __m512 v[C];
+      for (int64_t c = 0; c < C; ++c) v[c] = load16(value + 16 * c);
+      for (int64_t j = 0; j < NH; ++j) {
+        const __m512 p = _mm512_set1_ps(probs[j * ctx + first + i]);
+        for (int64_t c = 0; c < C; ++c) acc[j][c] = _mm512_fmadd_ps(p, v[c], acc[j][c]);
+      }
+    }
+  }
+  for (int64_t j = 0; j < NH; ++j)
+    for (int64_t c = 0; c < C; ++c) out[j][c] = acc[j][c];
+}
+
 template <typename T, int64_t D>
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_tables, const at::Tensor& ctx_lens, double scale,
@@ -243,8 +271,12 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
           for (int64_t i0 = 0; i0 < count; i0 += 16) {
             const int64_t n = std::min<int64_t>(16, count - i0);
             __m512 partial[16];
-            for (int64_t i = 0; i < 16; ++i)
-              partial[i] = i < n ? dot.partial(key + (i0 + i) * token_stride) : _mm512_setzero_ps();
+            if (n == 16) {  // the common case, kept free of per-token branches
+              for (int64_t i = 0; i < 16; ++i) partial[i] = dot.partial(key + (i0 + i) * token_stride);
+            } else {
+              for (int64_t i = 0; i < 16; ++i)
+                partial[i] = i < n ? dot.partial(key + (i0 + i) * token_stride) : _mm512_setzero_ps();
+            }
             const __m512 s = _mm512_mul_ps(transpose_sum16(partial), _mm512_set1_ps(fscale));
             _mm512_mask_storeu_ps(scores.data() + h * ctx + first + i0, static_cast<__mmask16>((1u << n) - 1), s);
           }
@@ -256,22 +288,19 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         for (int64_t hs = 0; hs < group; hs += HEADS_PER_PASS) {
           const int64_t h0 = kv_head * group + hs, nh = std::min(HEADS_PER_PASS, group - hs);
           __m512 acc[HEADS_PER_PASS][C];
-          for (int64_t j = 0; j < HEADS_PER_PASS; ++j)
-            for (int64_t c = 0; c < C; ++c) acc[j][c] = _mm512_setzero_ps();
-          for (int64_t blk = 0; blk < num_blocks; ++blk) {
-            const int64_t first = blk * block_size, count = std::min(block_size, ctx - first);
-            const T* value = v_ptr + table[blk] * block_stride + kv_head * D;
-            if (kv_head == 0 && hs == 0)
-              prefetch_row(v_ptr + table[std::min(blk + 1, num_blocks - 1)] * block_stride, block_stride);
-            for (int64_t i = 0; i < count; ++i, value += token_stride) {
-              __m512 v[C];
-              for (int64_t c = 0; c < C; ++c) v[c] = load16(value + 16 * c);
-              for (int64_t j = 0; j < HEADS_PER_PASS; ++j) {
-                if (j >= nh) break;
-                const __m512 p = _mm512_set1_ps(scores[(h0 + j) * ctx + first + i]);
-                for (int64_t c = 0; c < C; ++c) acc[j][c] = _mm512_fmadd_ps(p, v[c], acc[j][c]);
-              }
-            }
+          const float* probs = scores.data() + h0 * ctx;
+          const T* values = v_ptr + kv_head * D;
+          const bool prefetch = kv_head == 0 && hs == 0;
+          auto weigh = [&](auto heads) {  // the head count fixed at compile time keeps acc in registers
+            if constexpr (decltype(heads)::value <= HEADS_PER_PASS)  // nh never exceeds it
+              weigh_values<T, D, decltype(heads)::value, HEADS_PER_PASS>(
+                  values, table, num_blocks, block_size, block_stride, token_stride, ctx, probs, prefetch, acc);
+          };
+          switch (nh) {
+            case 1: weigh(std::integral_constant<int64_t, 1>{}); break;
+            case 2: weigh(std::integral_constant<int64_t, 2>{}); break;
+            case 3: weigh(std::integral_constant<int64_t, 3>{}); break;
+            default: weigh(std::integral_constant<int64_t, HEADS_PER_PASS>{});
           }
           for (int64_t j = 0; j < nh; ++j) {
             T* o = out_ptr + (b * num_heads + h0 + j) * D;
