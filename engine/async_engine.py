@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.stats import Histogram
+from engine.step_log import StepLog
 
 logger = logging.getLogger(__name__)
 Listener = Callable[[RequestOutput], None]
@@ -25,7 +26,7 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, stats_fn: Callable | None = None) -> None:
+    def __init__(self, engine: LLMEngine, stats_fn: Callable | None = None, name: str = "") -> None:
         self.engine = engine
         self.stats_fn = stats_fn  # computes a load report from engine state (see `stats`)
         self.lock = asyncio.Lock()
@@ -39,6 +40,7 @@ class AsyncEngine:
         self._step_started: float | None = None  # time.monotonic() when the running step began
         self.step_seconds = Histogram(STEP_SECONDS_BUCKETS)  # each step's wall time
         self.batch_size = Histogram(BATCH_SIZE_BUCKETS)  # the sequences each step computed
+        self.step_log = StepLog(name)  # per-step records, when PDSERVE_STEP_LOG asks for them
 
     def start(self) -> None:
         if self.stats_fn is not None:
@@ -54,6 +56,7 @@ class AsyncEngine:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         self._executor.shutdown(wait=True)
+        self.step_log.close()
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -64,6 +67,7 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 started = self._step_started = time.monotonic()
+                started_wall = time.time()
                 try:
                     outputs = await loop.run_in_executor(self._executor, self.engine.step)
                 except Exception:
@@ -71,7 +75,9 @@ class AsyncEngine:
                     outputs = self._abort_all()
                 finally:
                     self._step_started = None
-                self.step_seconds.observe(time.monotonic() - started)
+                seconds = time.monotonic() - started
+                self.step_seconds.observe(seconds)
+                self.step_log.record(started_wall, seconds, self.engine.last_step_shape)
                 self.batch_size.observe(self.engine.last_step_sequences)
                 if self.stats_fn is not None:
                     self._snapshot = self.stats_fn()

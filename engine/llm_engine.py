@@ -16,6 +16,7 @@ from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.step_log import StepShape
 from engine.tokenizer import check_prompt_length, check_token_ids, encode_prompt
 
 
@@ -44,6 +45,7 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._seed_source = random.Random(config.seed)
         self.last_step_sequences = 0  # requests the last step computed tokens of
+        self.last_step_shape = StepShape()  # what the last step computed (the latency model's terms)
         self.num_prefill_tokens_computed = 0  # prompt positions computed (chunked prefill)
         self.num_decode_tokens_computed = 0  # positions of generated tokens computed
 
@@ -181,6 +183,7 @@ class LLMEngine:
 
     def _count_step(self, scheduled) -> None:
         self.last_step_sequences = len(scheduled.chunks)
+        self.last_step_shape = StepShape.of(scheduled.chunks)
         for chunk in scheduled.chunks:
             request = self.scheduler.requests.get(chunk.request_id)
             if request is None:

@@ -4,7 +4,10 @@ prefill step (T batched prompt tokens, Q = sum of squared chunk lengths: attenti
     t = p0 + p1 * T + p2 * Q
 decode step (B running requests, C their total context tokens):
     t = d0 + d1 * B + d2 * C
-a colocated step is one weight pass doing both: t = p0 + p1 * T + p2 * Q + d1 * B + d2 * C
+a mixed step (both at once: a colocated engine, or a decode worker prefilling locally),
+    fitted on profiled mixed steps as well as pure ones:
+    t = c0 + c1 * T + c2 * Q + c3 * B + c4 * C
+    (profiles without mixed samples: one weight pass doing both, p0 + p1 T + p2 Q + d1 B + d2 C)
 KV transfer of n tokens: n * kv_bytes_per_token / kv_bandwidth_bytes_per_s
 """
 
@@ -28,14 +31,17 @@ class Profile:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     kv_capacity_tokens: int = 1 << 20
+    colocated_coeffs: tuple[float, ...] | None = None  # c0..c4 (None: from the two above)
     samples: dict = field(default_factory=dict, compare=False)  # raw measurements, for the record
 
     def __post_init__(self) -> None:
-        for name in ("prefill_coeffs", "decode_coeffs"):
+        for name, size in (("prefill_coeffs", 3), ("decode_coeffs", 3), ("colocated_coeffs", 5)):
             coeffs = getattr(self, name)
-            if len(coeffs) != 3 or not all(isinstance(c, int | float) and math.isfinite(c) and c >= 0
+            if coeffs is None and name == "colocated_coeffs":
+                continue
+            if len(coeffs) != size or not all(isinstance(c, int | float) and math.isfinite(c) and c >= 0
                                            for c in coeffs):
-                raise ValueError(f"profile {name} must be 3 finite non-negative numbers, got {coeffs!r}")
+                raise ValueError(f"profile {name} must be {size} finite non-negative numbers, got {coeffs!r}")
         if not self.kv_bandwidth_bytes_per_s > 0 or self.kv_bytes_per_token < 0:
             raise ValueError("profile kv_bandwidth_bytes_per_s must be > 0 and kv_bytes_per_token >= 0")
         for name in ("max_num_batched_tokens", "max_num_seqs", "kv_capacity_tokens"):
@@ -51,6 +57,9 @@ class Profile:
         return d0 + d1 * batch + d2 * context
 
     def colocated_step_s(self, tokens: int, squared: float, batch: int, context: int) -> float:
+        if self.colocated_coeffs is not None:
+            c0, c1, c2, c3, c4 = self.colocated_coeffs
+            return c0 + c1 * tokens + c2 * squared + c3 * batch + c4 * context
         p0, p1, p2 = self.prefill_coeffs
         _, d1, d2 = self.decode_coeffs
         return max(p0, self.decode_coeffs[0]) + p1 * tokens + p2 * squared + d1 * batch + d2 * context
@@ -62,8 +71,12 @@ class Profile:
         """The same profile with step times multiplied (autoscaler correction factors)."""
         from dataclasses import replace
 
+        colocated = self.colocated_coeffs
+        if colocated is not None:  # prefill terms by the prefill factor, decode terms by the decode one
+            colocated = (colocated[0] * max(prefill, decode), colocated[1] * prefill, colocated[2] * prefill,
+                         colocated[3] * decode, colocated[4] * decode)
         return replace(self, prefill_coeffs=tuple(c * prefill for c in self.prefill_coeffs),
-                       decode_coeffs=tuple(c * decode for c in self.decode_coeffs))
+                       decode_coeffs=tuple(c * decode for c in self.decode_coeffs), colocated_coeffs=colocated)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -85,6 +98,8 @@ class Profile:
             raise ValueError(f"profile {path}: missing {sorted(missing)}, unknown {sorted(set(data) - known)}")
         data["prefill_coeffs"] = tuple(data["prefill_coeffs"])
         data["decode_coeffs"] = tuple(data["decode_coeffs"])
+        if data.get("colocated_coeffs") is not None:
+            data["colocated_coeffs"] = tuple(data["colocated_coeffs"])
         try:
             return cls(**data)
         except (TypeError, ValueError) as exc:
@@ -127,3 +142,15 @@ def fit_decode(samples: list[tuple[int, int, float]]) -> tuple[float, float, flo
     data = np.asarray(samples, dtype=float)
     features = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
     return fit_nonnegative(features, data[:, 2])
+
+
+def fit_colocated(prefill: list[tuple[int, float, float]], decode: list[tuple[int, int, float]],
+                  mixed: list[tuple[int, float, int, int, float]]) -> tuple[float, ...]:
+    """The mixed-step model on every sample: prefill (T, Q, s), decode (B, C, s) and mixed
+    (T, Q, B, C, s) steps; each sample weighted by 1/seconds, so that short decode steps
+    count as much as long prefill ones (relative, not absolute, error is minimised)."""
+    rows = ([(1, t, q, 0, 0, s) for t, q, s in prefill] + [(1, 0, 0, b, c, s) for b, c, s in decode]
+            + [(1, t, q, b, c, s) for t, q, b, c, s in mixed])
+    data = np.asarray(rows, dtype=float)
+    weights = 1.0 / np.maximum(data[:, 5], 1e-6)
+    return fit_nonnegative(data[:, :5] * weights[:, None], data[:, 5] * weights)

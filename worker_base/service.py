@@ -24,7 +24,7 @@ class WorkerServiceBase:
 
     def __init__(self, engine: LLMEngine, config: WorkerConfig) -> None:
         self.engine, self.config = engine, config
-        self.aengine = AsyncEngine(engine, stats_fn=self._stats)
+        self.aengine = AsyncEngine(engine, stats_fn=self._stats, name=self.role)
         self.draining = False  # set by drain(): refuse new requests, finish open ones
         self.transfers = TransferCounters()  # KV transfers, for Stats (worker_base.telemetry)
         self.layout = KVLayout.of_cache(engine.runner.kv_cache)

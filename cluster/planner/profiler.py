@@ -1,13 +1,18 @@
 """`pdserve profile`: measure an engine's step times on this hardware and fit a Profile.
 
 Prefill: single steps of T prompt tokens (one chunk, and several requests' chunks).
-Decode: steady decode steps at batch B over contexts C. KV transfer: the torch transport
-moving one 2048-token prompt's KV between two ends of a real gloo/NCCL pair (in one
-process, two threads). Every figure is a median of repeats.
+Decode: steady decode steps at batch B over contexts C. Mixed: a step carrying a prompt
+chunk of T tokens and B running decodes at once (what a colocated engine, or a decode
+worker prefilling locally, runs; the TPOT a prompt inflicts on every running request).
+KV transfer: the torch transport moving one 2048-token prompt's KV between two ends of a
+real gloo/NCCL pair (in one process, two threads). Every figure is a median of repeats.
+Every timed prompt is new to the engine: a prefix-cache hit would time a lookup, not a
+prefill.
 """
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import threading
 import time
@@ -16,7 +21,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.profile import Profile, fit_decode, fit_prefill
+from engine.profile import Profile, fit_colocated, fit_decode, fit_prefill
 from engine.sampling_params import SamplingParams
 
 
@@ -42,6 +47,14 @@ def profile_engine(config: EngineConfig, repeats: int = 3, progress=print) -> Pr
             seconds = _decode_step(engine, batch, context, repeats)
             decode_samples.append((batch, batch * context, seconds))
             progress(f"decode batch {batch} x {context} context: {seconds * 1000:.1f} ms")
+    mixed_samples = []
+    for batch in (4, 16, 64):
+        for tokens in (128, 512, 1536):
+            if batch > config.max_num_seqs or tokens + batch > budget or tokens >= max_len or 128 + 16 >= max_len:
+                continue
+            shape, seconds = _mixed_step(engine, batch, 128, tokens, repeats)
+            mixed_samples.append(shape + (seconds,))
+            progress(f"mixed {tokens} prompt tokens + decode batch {batch} x 128 context: {seconds * 1000:.1f} ms")
     bandwidth = measure_kv_bandwidth(engine)
     progress(f"KV transfer: {bandwidth / 1e9:.2f} GB/s")
     from kv_transfer.layout import KVLayout
@@ -50,15 +63,21 @@ def profile_engine(config: EngineConfig, repeats: int = 3, progress=print) -> Pr
     kv_bytes_per_token = layout.token_bytes * layout.num_layers
     return Profile(
         model=config.model, prefill_coeffs=fit_prefill(prefill_samples), decode_coeffs=fit_decode(decode_samples),
+        colocated_coeffs=fit_colocated(prefill_samples, decode_samples, mixed_samples) if mixed_samples else None,
         kv_bytes_per_token=kv_bytes_per_token, kv_bandwidth_bytes_per_s=bandwidth,
         max_num_batched_tokens=budget, max_num_seqs=config.max_num_seqs,
         kv_capacity_tokens=engine.block_manager.num_blocks * config.block_size,
-        samples={"prefill": prefill_samples, "decode": decode_samples, "threads": torch.get_num_threads()},
+        samples={"prefill": prefill_samples, "decode": decode_samples, "mixed": mixed_samples,
+                 "threads": torch.get_num_threads()},
     )
 
 
-def _ids(n: int, seed: int) -> list[int]:
-    generator = torch.Generator().manual_seed(seed)
+_SEEDS = itertools.count(1000)
+
+
+def _ids(n: int, seed: int | None = None) -> list[int]:
+    """`n` random token ids; a fresh prompt (no shared prefix with any other) unless `seed`."""
+    generator = torch.Generator().manual_seed(next(_SEEDS) if seed is None else seed)
     return torch.randint(3, 1000, (n,), generator=generator).tolist()
 
 
@@ -66,7 +85,7 @@ def _prefill_step(engine: LLMEngine, lengths: list[int], repeats: int) -> float:
     times = []
     for r in range(repeats + 1):
         for i, n in enumerate(lengths):
-            engine.add_request(f"pf-{r}-{i}", _ids(n, i), SamplingParams(max_tokens=1, temperature=0))
+            engine.add_request(f"pf-{r}-{i}", _ids(n), SamplingParams(max_tokens=1, temperature=0))
         start = time.perf_counter()
         engine.step()
         elapsed = time.perf_counter() - start
@@ -77,18 +96,45 @@ def _prefill_step(engine: LLMEngine, lengths: list[int], repeats: int) -> float:
     return statistics.median(times)
 
 
-def _decode_step(engine: LLMEngine, batch: int, context: int, repeats: int) -> float:
-    params = SamplingParams(max_tokens=repeats + 3, temperature=0, ignore_eos=True)
+def _start_decodes(engine: LLMEngine, batch: int, context: int, steps: int, tag: str) -> None:
+    """`batch` running requests of `context` prompt tokens, prefilled, with at least `steps`
+    decode steps ahead of them (the first prefilled decode while the rest prefill)."""
+    prefill_steps = -(-batch * context // engine.config.max_num_batched_tokens)
+    params = SamplingParams(max_tokens=steps + prefill_steps, temperature=0, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"dc-{batch}-{context}-{i}", _ids(context, i), params)
+        engine.add_request(f"{tag}-{batch}-{context}-{i}", _ids(context, i), params)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
         engine.step()
+
+
+def _decode_step(engine: LLMEngine, batch: int, context: int, repeats: int) -> float:
+    _start_decodes(engine, batch, context, repeats + 3, "dc")
     times = []
     while engine.has_unfinished_requests():
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
     return statistics.median(times[:-1] or times)
+
+
+def _mixed_step(engine: LLMEngine, batch: int, context: int, tokens: int,
+                repeats: int) -> tuple[tuple[int, int, int, int], float]:
+    """Median seconds of a step computing a fresh `tokens`-token prompt alongside `batch`
+    running decodes; with the step's (T, Q, B, C) as the latency model counts it."""
+    _start_decodes(engine, batch, context, repeats + 3, "mx")
+    times, shape = [], None
+    for r in range(repeats + 1):
+        engine.add_request(f"mx-prompt-{batch}-{tokens}-{r}", _ids(tokens), SamplingParams(max_tokens=1))
+        start = time.perf_counter()
+        engine.step()
+        elapsed = time.perf_counter() - start
+        step = engine.last_step_shape
+        shape = (step.prefill_tokens, step.prefill_squared, step.decode_batch, step.decode_context)
+        if r:
+            times.append(elapsed)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return shape, statistics.median(times)
 
 
 def measure_kv_bandwidth(engine: LLMEngine, tokens: int = 2048) -> float:

@@ -9,7 +9,7 @@ import sys
 import pytest
 import yaml
 
-from engine.profile import Profile, fit_decode, fit_prefill
+from engine.profile import Profile, fit_colocated, fit_decode, fit_prefill
 
 
 def pdserve(*args, cwd=None):
@@ -34,6 +34,13 @@ def test_profile_then_plan(tiny_llama_dir, tmp_path):
     # the latency model is the fit of those measurements
     assert profile.prefill_coeffs == pytest.approx(fit_prefill([tuple(s) for s in prefill]))
     assert profile.decode_coeffs == pytest.approx(fit_decode([tuple(s) for s in decode]))
+    # mixed steps: a 128-token prompt beside 4, 16 and 64 running decodes of 128-token contexts
+    # (larger prompts would not fit this 512-token budget beside them)
+    mixed = profile.samples["mixed"]
+    assert [(t, q, b) for t, q, b, _, _ in mixed] == [(128, 128 * 128, b) for b in (4, 16, 64)]
+    assert all(b * 129 <= c <= b * 140 and 0 < s < math.inf for _, _, b, c, s in mixed)
+    assert profile.colocated_coeffs == pytest.approx(
+        fit_colocated([tuple(s) for s in prefill], [tuple(s) for s in decode], [tuple(s) for s in mixed]))
 
     trace = tmp_path / "trace.jsonl"
     trace.write_text("".join(json.dumps({"arrival_s": i * 0.1, "prompt_len": 64 + 16 * (i % 8), "max_tokens": 32})

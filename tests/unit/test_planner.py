@@ -11,7 +11,7 @@ from cluster.autoscaler import Autoscaler
 from cluster.planner.search import SLO, make_plan, phase_curve
 from cluster.planner.simulator import simulate
 from cluster.planner.workload import SimRequest, load_trace, poisson
-from engine.profile import Profile, fit_decode, fit_prefill
+from engine.profile import Profile, fit_colocated, fit_decode, fit_prefill
 
 # A plausible one-core profile: ~2.5 ms per prompt token, decode steps of 30 ms + 1.5 ms/request
 PROFILE = Profile("test", (0.02, 0.0025, 1e-8), (0.03, 0.0015, 2e-6), 46080, 1.5e9,
@@ -55,6 +55,35 @@ def test_fits_recover_known_coefficients():
     decode = [(b, c, 0.02 + 0.001 * b + 1e-6 * c) for b, c in [(1, 128), (4, 2048), (16, 2048), (64, 32768)]]
     assert fit_prefill(prefill) == pytest.approx((0.01, 0.002, 3e-7), rel=1e-6)
     assert fit_decode(decode) == pytest.approx((0.02, 0.001, 1e-6), rel=1e-6)
+    true = (0.015, 0.0021, 2.5e-7, 0.0013, 2e-6)
+
+    def mixed_time(t, q, b, c):
+        return true[0] + true[1] * t + true[2] * q + true[3] * b + true[4] * c
+
+    mixed = [(t, q, b, c, mixed_time(t, q, b, c)) for t, q, b, c in [(128, 16384, 4, 512), (512, 2**18, 16, 2048),
+                                                                      (1536, 1536**2, 64, 8192)]]
+    prefill = [(t, q, mixed_time(t, q, 0, 0)) for t, q, _ in prefill]
+    decode = [(b, c, mixed_time(0, 0, b, c)) for b, c, _ in decode]
+    assert fit_colocated(prefill, decode, mixed) == pytest.approx(true, rel=1e-6)
+
+
+def test_a_profile_with_a_mixed_step_model_uses_it_and_scales_it(tmp_path):
+    slow_mixing = Profile("m", (0.01, 0.001, 0.0), (0.01, 0.002, 0.0), 1000, 1e9,
+                          colocated_coeffs=(0.05, 0.003, 0.0, 0.004, 0.0))
+    assert slow_mixing.colocated_step_s(100, 10000, 10, 1000) == pytest.approx(0.05 + 0.3 + 0.04)
+    additive = Profile("m", (0.01, 0.001, 0.0), (0.01, 0.002, 0.0), 1000, 1e9)
+    assert additive.colocated_step_s(100, 10000, 10, 1000) == pytest.approx(0.01 + 0.1 + 0.02)
+    scaled = slow_mixing.scaled(prefill=2.0, decode=3.0)
+    assert scaled.colocated_coeffs == pytest.approx((0.15, 0.006, 0.0, 0.012, 0.0))
+    path = tmp_path / "p.json"
+    path.write_text(slow_mixing.to_json())
+    assert Profile.load(path) == slow_mixing
+    work = poisson(0.5, 100, [(1024, 64), (64, 128)], seed=2)
+    slower = simulate(slow_mixing, work, prefill=0, decode=1, colocated=True)
+    faster = simulate(additive, work, prefill=0, decode=1, colocated=True)
+    assert slower.percentile("tpot_s", 90) > 1.5 * faster.percentile("tpot_s", 90)
+    with pytest.raises(ValueError, match="colocated_coeffs must be 5 finite non-negative numbers"):
+        Profile("m", (0, 0, 0), (0, 0, 0), 1, 1.0, colocated_coeffs=(1.0, 2.0))
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,71 @@
+"""The step log: each engine step's work in the latency model's terms (T prompt tokens,
+their attention Q, B decode rows, their context C) and its time, written as JSONL when
+PDSERVE_STEP_LOG asks for it, by the real engine driven through the real AsyncEngine."""
+
+import asyncio
+
+import pytest
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.step_log import ENV, StepLog, StepShape, read_step_logs
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir):
+    return LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_num_batched_tokens=64))
+
+
+def _drain(engine):
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_shapes_of_prefill_chunks_decodes_and_mixed_steps(engine):
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    engine.add_request("a", list(range(10, 110)), params)  # 100 tokens: chunks of 64 and 36
+    engine.step()
+    assert engine.last_step_shape == StepShape(64, 64 * 64, 0, 0)
+    engine.add_request("b", list(range(200, 220)), params)  # joins behind a's last chunk
+    engine.step()
+    assert engine.last_step_shape == StepShape(36 + 20, 36 * 100 + 20 * 20, 0, 0)
+    engine.add_request("c", list(range(300, 340)), params)
+    engine.step()  # a and b decode (contexts 101 and 21), c's 40-token prompt rides along
+    assert engine.last_step_shape == StepShape(40, 40 * 40, 2, 101 + 21)
+    engine.step()
+    assert engine.last_step_shape == StepShape(0, 0, 3, 102 + 22 + 41)
+    _drain(engine)
+
+
+def test_the_async_engine_logs_every_step_when_asked(engine, tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV, str(tmp_path / "steps"))
+
+    async def run():
+        aengine = AsyncEngine(engine, name="decode")
+        aengine.start()
+        done = asyncio.Event()
+        aengine.listeners["x"] = lambda out: out.finished and done.set()
+        engine.add_request("x", list(range(500, 530)), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        aengine.wake()
+        await asyncio.wait_for(done.wait(), 60)
+        await aengine.stop()
+
+    asyncio.run(run())
+    rows = read_step_logs(tmp_path / "steps", "decode")
+    assert [(r["T"], r["Q"], r["B"], r["C"]) for r in rows] == [(30, 900, 0, 0), (0, 0, 1, 31), (0, 0, 1, 32),
+                                                                 (0, 0, 1, 33)]
+    assert all(r["s"] > 0 and r["name"] == "decode" for r in rows)
+    assert [r["t"] for r in rows] == sorted(r["t"] for r in rows)
+
+
+def test_no_log_unless_asked(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV, str(tmp_path))
+    asked = StepLog("prefill")
+    monkeypatch.delenv(ENV)
+    unasked = StepLog("decode")
+    for log in (asked, unasked):
+        log.record(0.0, 0.1, StepShape(1, 1, 0, 0))
+        log.close()
+    assert [r["name"] for r in read_step_logs(tmp_path)] == ["prefill"]
