@@ -2,17 +2,21 @@
 
 1. profile the real engine pinned to one core (each worker's share in the 1P+1D layout) and
    to both cores (a colocated engine): prefill, decode and mixed steps (`pdserve profile`);
-2. predict SLO attainment with the simulator under the serving configuration's own
+2. calibrate each profile to serving (cluster.planner.calibrate): replay online-poisson
+   requests 100-159 through the real service in each layout with step logging on
+   (engine.step_log), and scale each kind of step by its median measured/predicted time;
+3. predict SLO attainment with the simulator under the serving configuration's own
    policies (a decode worker prefills a prompt of at most `local_prefill_max_tokens`
-   itself): online-poisson at 0.7x, 1.0x and 1.3x the planner's 1P+1D capacity, and the
-   interference workload in both layouts (1P+1D on a core each; colocated on both cores);
-3. replay every point through the real service `--repeats` times, the repeats interleaved
+   itself), with the calibrated and with the engine-only profiles: online-poisson (its
+   first `--requests`) at 0.7x, 1.0x and 1.3x the planner's 1P+1D capacity, the
+   interference workload in both layouts (1P+1D on a core each; colocated on both), and
+   multi-turn-chat (closed-loop chat clients; predicted from the arrivals, lengths and
+   prefix-cache hits each run offered, as the router sees them);
+4. replay every point through the real service `--repeats` times, the repeats interleaved
    so that drift of this shared machine falls on every point alike; report each point's
    mean and spread and pass/fail against the targets: every point within 10 pp, and
    layouts ranked as measured wherever their measured goodputs differ by more than 10%;
-4. check the latency model step by step: each worker logs every step's (T, Q, B, C) and
-   wall time (engine.step_log), and the measured/predicted step time is summarised per
-   role and kind of step;
+   with each run's steps' measured/predicted time, per kind, against both profiles;
 5. report how far the autoscaler's observed/predicted correction would move on each
    disaggregated point (five decisions on the measured percentiles).
 
@@ -63,56 +67,69 @@ def to_replay(requests) -> list[dict]:
             for i, r in enumerate(requests)]
 
 
-def serve_and_replay(model: str, overrides: dict, requests: list[dict], port: int) -> tuple[list[dict], float, float]:
-    """Start the service with `overrides`, warm it with one request of its own, replay
-    `requests`; returns (results, wall start, wall end) of the replay."""
-    import ray
-
+def serve_and_drive(model: str, overrides: dict, drive, port: int) -> tuple[list[dict], float, float]:
+    """Start the service with `overrides`, warm it with one request of its own, run
+    `drive(url)` (the load: its per-request results); returns (results, wall start, wall end)."""
     from benchmarks.online_load import replay
-    from cluster.config import load_config
-    from cluster.controller import create_controller
+    from benchmarks.prefix_reuse import service
 
-    config = load_config(None, {"model": model, "router.port": port, **overrides})
-    controller = create_controller(config)
-    try:
-        url = ray.get(controller.start.remote())
+    with service({"model": model, "router.port": port, **overrides}) as url:
         warm = {"id": "warm", "at": 0.0, "max_tokens": 2, "prompt_token_ids": list(range(40000, 40000 - 64, -1))}
         asyncio.run(replay(url, model, [warm]))
         started = time.time()
-        results, _ = asyncio.run(replay(url, model, requests))
+        results = drive(url)
         return results, started, time.time()
-    finally:
-        ray.get(controller.shutdown.remote())
-        ray.kill(controller)
+
+
+def trace_driver(model: str, requests: list[dict]):
+    from benchmarks.online_load import replay
+
+    return lambda url: asyncio.run(replay(url, model, requests))[0]
+
+
+def chat_driver(rows: list[dict]):
+    """Chat clients (benchmarks.prefix_reuse): each turn resends the history with the real
+    replies; results normalised to the trace replay's (error None on success)."""
+    from benchmarks.prefix_reuse import replay
+
+    def drive(url: str) -> list[dict]:
+        results, _ = asyncio.run(replay(url, "multi-turn-chat", rows, 1.0))
+        return [{"ttft_s": None, "tpot_s": None, **r, "error": r.get("error")} for r in results]
+    return drive
+
+
+def observed_work(results: list[dict]):
+    """The workload a chat run offered, as the router saw it: each turn's arrival, prompt and
+    output lengths and the prompt tokens its prefix cache supplied (a closed-loop workload
+    has no arrival times before it runs)."""
+    from cluster.planner.workload import SimRequest
+
+    ok = sorted((r for r in results if r["error"] is None), key=lambda r: r["sent_s"])
+    return [SimRequest(r["sent_s"] - ok[0]["sent_s"], r["prompt_tokens"], r["output_tokens"],
+                       min(r["cached_tokens"], r["prompt_tokens"] - 1)) for r in ok]
 
 
 def step_errors(steps: list[dict], profile) -> dict:
-    """Measured / predicted seconds of logged steps, by kind: prefill-only, decode-only and
-    mixed (prompt chunks and decodes in one step)."""
-    kinds: dict[str, list[float]] = {}
-    for s in steps:
-        if s["T"] and s["B"]:
-            kind, model = "mixed", profile.colocated_step_s(s["T"], s["Q"], s["B"], s["C"])
-        elif s["T"]:
-            kind, model = "prefill", profile.prefill_step_s(s["T"], s["Q"])
-        else:
-            kind, model = "decode", profile.decode_step_s(s["B"], s["C"])
-        kinds.setdefault(kind, []).append(s["s"] / model)
+    """Measured / predicted seconds of logged steps, by kind (prefill-only, decode-only,
+    mixed): median and 10th/90th percentiles."""
+    from cluster.planner.calibrate import step_ratios
+
     return {kind: {"steps": len(r), "median_ratio": statistics.median(r),
                    "p10_ratio": sorted(r)[len(r) // 10], "p90_ratio": sorted(r)[len(r) * 9 // 10]}
-            for kind, r in kinds.items()}
+            for kind, r in step_ratios(profile, steps).items()}
 
 
-def correction_path(profile, slo, work, measured: list[dict], local: int, rounds: int = 5) -> dict:
-    """The autoscaler's correction factors after each of `rounds` decisions, observing the
-    measured TTFT/TPOT percentiles of this point at 1P+1D."""
+def correction_path(profile, slo, runs: list[dict], local: int, rounds: int = 5) -> dict:
+    """The autoscaler's correction factors after each of `rounds` decisions at 1P+1D,
+    observing this point's workload and its measured TTFT/TPOT percentiles (all runs pooled)."""
     from cluster.autoscaler import Autoscaler
     from engine.stats import percentile
 
-    ok = [r for r in measured if r["error"] is None and r["ttft_s"] is not None]
-    span = max(1e-9, work[-1].arrival_s - work[0].arrival_s)
-    observed = {"rate": (len(work) - 1) / span, "count": len(work),
-                "lengths": [(r.prompt_len, r.output_len, r.cached_len) for r in work],
+    ok = [r for run in runs for r in run["results"] if r["error"] is None and r["ttft_s"] is not None]
+    works = [run["work"] for run in runs]
+    rate = statistics.mean((len(w) - 1) / max(1e-9, w[-1].arrival_s - w[0].arrival_s) for w in works)
+    observed = {"rate": rate, "count": len(works[0]),
+                "lengths": [(r.prompt_len, r.output_len, r.cached_len) for w in works for r in w],
                 "ttft_p": percentile([r["ttft_s"] for r in ok], slo.percentile),
                 "tpot_p": percentile([r["tpot_s"] for r in ok if r["tpot_s"] is not None], slo.percentile)}
     scaler = Autoscaler(profile, slo, {"prefill": (1, 8), "decode": (1, 8)}, cooldown_s=0.0,
@@ -127,6 +144,10 @@ def correction_path(profile, slo, work, measured: list[dict], local: int, rounds
 def summarize(point: dict) -> None:
     runs = point["runs"]
     measured = [r["measured_attainment"] for r in runs]
+    point["predicted_attainment"] = statistics.mean(r["predicted"]["attainment"] for r in runs)
+    point["predicted_engine_only"] = statistics.mean(r["predicted_engine_only"]["attainment"] for r in runs)
+    point["requests"] = statistics.mean(r["requests"] for r in runs)
+    point["span_s"] = statistics.mean(r["span_s"] for r in runs)
     point["measured_mean"] = statistics.mean(measured)
     point["measured_min"], point["measured_max"] = min(measured), max(measured)
     point["measured_stdev"] = statistics.stdev(measured) if len(measured) > 1 else 0.0
@@ -141,10 +162,12 @@ def ranking(points: dict) -> dict:
     dis, col = points["interference/disaggregated"], points["interference/colocated"]
     measured = (dis["measured_goodput_per_s"], col["measured_goodput_per_s"])
     predicted = (dis["predicted_goodput_per_s"], col["predicted_goodput_per_s"])
+    engine_only = tuple(p["predicted_engine_only"] * p["requests"] / p["span_s"] for p in (dis, col))
     differ = abs(measured[0] - measured[1]) > RANKING_MARGIN * max(measured)
     same = (measured[0] >= measured[1]) == (predicted[0] >= predicted[1])
     return {"measured_disaggregated_vs_colocated": measured, "predicted_disaggregated_vs_colocated": predicted,
-            "measured_differ_by_more_than_10pct": differ, "pass": same or not differ}
+            "predicted_engine_only": engine_only, "measured_differ_by_more_than_10pct": differ,
+            "pass": same or not differ}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -167,103 +190,122 @@ def main() -> None:
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
     parser.add_argument("--ttft-slo", type=float, default=4.0)
     parser.add_argument("--tpot-slo", type=float, default=0.2)
-    parser.add_argument("--requests", type=int, default=60, help="requests of the online trace per rate")
+    parser.add_argument("--requests", type=int, default=40, help="requests of the online trace per rate")
     parser.add_argument("--repeats", type=int, default=3, help="replays of every point")
     parser.add_argument("--profile-repeats", type=int, default=3)
     parser.add_argument("--reuse-profiles", action="store_true", help="use the profiles already in the results dir")
-    parser.add_argument("--points", default="online,interference", help="which workloads to replay")
+    parser.add_argument("--points", default="online,interference,chat", help="which workloads to replay")
+    parser.add_argument("--chat-sessions", type=int, default=16, help="multi-turn-chat sessions (4 turns each)")
     parser.add_argument("--port", type=int, default=8019)
     parser.add_argument("--out", type=Path, default=RESULTS / "planner_validation.json")
     args = parser.parse_args()
 
-    import ray
-
+    from benchmarks.prefix_reuse import local_ray, workload_rows
     from cluster.config import ServeConfig
+    from cluster.planner.calibrate import calibrate
     from cluster.planner.search import SLO, lengths_of, phase_curve, predict
     from cluster.planner.workload import load_trace, rescale
-    from cluster.ray_cluster import ray_env
     from engine.model_source import resolve_model
     from engine.profile import Profile
     from engine.step_log import ENV as STEP_LOG_ENV
     from engine.step_log import read_step_logs
 
-    model = str(resolve_model(args.model))
     RESULTS.mkdir(parents=True, exist_ok=True)
     one_core, two_cores = RESULTS / "profile_1core.json", RESULTS / "profile_2cores.json"
     if not args.reuse_profiles:
         print("profiling ...", flush=True)
-        run_profile(one_core, "0", 1, model, args.profile_repeats)
-        run_profile(two_cores, "0,1", 2, model, args.profile_repeats)
-    p1, p2 = Profile.load(one_core), Profile.load(two_cores)
+        model_dir = str(resolve_model(args.model))
+        run_profile(one_core, "0", 1, model_dir, args.profile_repeats)
+        run_profile(two_cores, "0,1", 2, model_dir, args.profile_repeats)
+    engine_only = {"disaggregated": Profile.load(one_core), "colocated": Profile.load(two_cores)}
     slo = SLO(args.ttft_slo, args.tpot_slo)
     local = ServeConfig().local_prefill_max_tokens  # what the decode workers will do
+    layouts = {"disaggregated": {"prefill.replicas": 1, "decode.replicas": 1, "prefill.cpu_affinity": [0],
+                                 "decode.cpu_affinity": [1]},
+               "colocated": {"prefill.replicas": 0, "decode.replicas": 1, "decode.cpu_affinity": [0, 1]}}
+    online = load_trace(WORKLOADS / "online-poisson.jsonl")
+    lengths = lengths_of(online)
 
-    disagg = {"prefill.replicas": 1, "decode.replicas": 1, "prefill.cpu_affinity": [0], "decode.cpu_affinity": [1]}
-    colocated = {"prefill.replicas": 0, "decode.replicas": 1, "decode.cpu_affinity": [0, 1]}
-    points: dict[str, dict] = {}
-    result = {"slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "percentile": slo.percentile},
-              "local_prefill_max_tokens": local, "repeats": args.repeats, "points": points}
-    if "online" in args.points:
-        online = load_trace(WORKLOADS / "online-poisson.jsonl")
-        lengths = lengths_of(online)
-        cap_p = phase_curve(p1, lengths, "prefill", local_prefill_max_tokens=local).capacity(slo, True, False)
-        cap_d = phase_curve(p1, lengths, "decode", local_prefill_max_tokens=local).capacity(slo, False, True)
-        capacity = min(cap_p, cap_d)
-        result["capacity_per_instance"] = {"prefill": cap_p, "decode": cap_d}
-        result["predicted_capacity_1p1d"] = capacity
-        for factor in (0.7, 1.0, 1.3):
-            work = rescale(online, capacity * factor)[: args.requests]
-            points[f"online/{factor}x"] = {"layout": "disaggregated", "overrides": disagg, "work": work,
-                                           "profile": p1, "rate": capacity * factor, "factor": factor,
-                                           "prediction": predict(p1, slo, work, 1, 1, False, local)}
-    if "interference" in args.points:
-        work = load_trace(WORKLOADS / "interference.jsonl")
-        points["interference/disaggregated"] = {"layout": "disaggregated", "overrides": disagg, "work": work,
-                                                "profile": p1, "prediction": predict(p1, slo, work, 1, 1, False, local)}
-        points["interference/colocated"] = {"layout": "colocated", "overrides": colocated, "work": work,
-                                            "profile": p2, "prediction": predict(p2, slo, work, 0, 1, True)}
-    for point in points.values():
-        work = point["work"]
-        point.update(requests=len(work), span_s=work[-1].arrival_s - work[0].arrival_s,
-                     predicted_attainment=point["prediction"]["attainment"], runs=[])
+    def capacity_1p1d(profile) -> tuple[float, float]:
+        return (phase_curve(profile, lengths, "prefill", local_prefill_max_tokens=local).capacity(slo, True, False),
+                phase_curve(profile, lengths, "decode", local_prefill_max_tokens=local).capacity(slo, False, True))
+
+    def prediction(profile, layout: str, work) -> dict:
+        if layout == "colocated":
+            return predict(profile, slo, work, 0, 1, True)
+        return predict(profile, slo, work, 1, 1, False, local)
 
     step_dir = Path(tempfile.mkdtemp(prefix="pdserve-steps-"))
     os.environ[STEP_LOG_ENV] = str(step_dir)  # the workers inherit it from the Ray node
-    ray_env()
-    ray.init(num_cpus=4, namespace="pdserve", include_dashboard=False, object_store_memory=300_000_000,
-             logging_level="WARNING", log_to_driver=False)
-    try:
+    points: dict[str, dict] = {}
+    result = {"slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "percentile": slo.percentile},
+              "local_prefill_max_tokens": local, "repeats": args.repeats, "points": points}
+    with local_ray(4):
+        # serving calibration: online-poisson requests 100-159 (none of them replayed below)
+        # at the engine-only 1P+1D capacity, once per layout
+        calibration_work = rescale(online, min(capacity_1p1d(engine_only["disaggregated"])))[100:160]
+        profiles, result["calibration"] = {}, {}
+        for layout, overrides in layouts.items():
+            print(f"calibration: {layout}, {len(calibration_work)} requests ...", flush=True)
+            _, start, end = serve_and_drive(args.model, overrides,
+                                            trace_driver(args.model, to_replay(calibration_work)), args.port)
+            steps = [s for s in read_step_logs(step_dir) if start <= s["t"] <= end]
+            profiles[layout] = calibrate(engine_only[layout], steps)
+            result["calibration"][layout] = profiles[layout].samples["serving_calibration"]
+            print(f"  {result['calibration'][layout]}", flush=True)
+
+        if "online" in args.points:
+            cap_p, cap_d = capacity_1p1d(profiles["disaggregated"])
+            result["capacity_per_instance"] = {"prefill": cap_p, "decode": cap_d}
+            result["predicted_capacity_1p1d"] = capacity = min(cap_p, cap_d)
+            for factor in (0.7, 1.0, 1.3):
+                work = rescale(online, capacity * factor)[: args.requests]
+                points[f"online/{factor}x"] = {"layout": "disaggregated", "work": work, "rate": capacity * factor}
+        if "interference" in args.points:
+            work = load_trace(WORKLOADS / "interference.jsonl")
+            points["interference/disaggregated"] = {"layout": "disaggregated", "work": work}
+            points["interference/colocated"] = {"layout": "colocated", "work": work}
+        for point in points.values():
+            point.update(drive=trace_driver(args.model, to_replay(point["work"])), runs=[])
+        if "chat" in args.points:  # predicted per run, from the workload that run offered
+            points["multi-turn-chat"] = {"layout": "disaggregated", "work": None, "runs": [],
+                                         "drive": chat_driver(workload_rows("multi-turn-chat", args.chat_sessions))}
+
         for repeat in range(args.repeats):
             for name, point in points.items():
-                print(f"[{repeat + 1}/{args.repeats}] {name}: replaying {point['requests']} requests ...", flush=True)
-                measured, start, end = serve_and_replay(model, point["overrides"], to_replay(point["work"]), args.port)
+                print(f"[{repeat + 1}/{args.repeats}] {name} ...", flush=True)
+                layout = point["layout"]
+                measured, start, end = serve_and_drive(args.model, layouts[layout], point["drive"], args.port)
+                work = point["work"] or observed_work(measured)
                 steps = [s for s in read_step_logs(step_dir) if start <= s["t"] <= end]
-                run = {"measured_attainment": measured_attainment(measured, slo.ttft_s, slo.tpot_s),
-                       "errors": sum(r["error"] is not None for r in measured), "results": measured,
-                       "steps": {role: step_errors([s for s in steps if s["name"] == role], point["profile"])
-                                 for role in sorted({s["name"] for s in steps})}}
+                run = {"predicted": prediction(profiles[layout], layout, work),
+                       "predicted_engine_only": prediction(engine_only[layout], layout, work),
+                       "measured_attainment": measured_attainment(measured, slo.ttft_s, slo.tpot_s),
+                       "requests": len(measured), "span_s": work[-1].arrival_s - work[0].arrival_s,
+                       "errors": sum(r["error"] is not None for r in measured), "results": measured, "work": work,
+                       "steps_vs_engine_only": step_errors(steps, engine_only[layout]),
+                       "steps_vs_calibrated": step_errors(steps, profiles[layout])}
                 point["runs"].append(run)
-                print(f"  predicted {point['predicted_attainment']:.0%}, measured {run['measured_attainment']:.0%}; "
-                      f"steps measured/predicted {run['steps']}", flush=True)
-    finally:
-        ray.shutdown()
+                print(f"  predicted {run['predicted']['attainment']:.0%} "
+                      f"(engine-only profile {run['predicted_engine_only']['attainment']:.0%}), "
+                      f"measured {run['measured_attainment']:.0%}", flush=True)
     for point in points.values():
         summarize(point)
         if point["layout"] == "disaggregated":
-            point["autoscaler_correction"] = [correction_path(p1, slo, point["work"], run["results"], local)
-                                              for run in point["runs"]]
+            point["autoscaler_correction"] = correction_path(profiles["disaggregated"], slo, point["runs"], local)
         for run in point["runs"]:
-            del run["results"]
-        for key in ("overrides", "work", "profile"):
+            del run["results"], run["work"]
+        for key in ("work", "drive"):
             del point[key]
     if {"interference/disaggregated", "interference/colocated"} <= set(points):
         result["ranking"] = ranking(points)
     result["pass"] = all(p["pass"] for p in points.values()) and result.get("ranking", {}).get("pass", True)
     write(result, args.out, plot)
-    print(f"{'point':28} {'predicted':>9} {'measured mean':>13} {'min..max':>11} {'diff':>8}  pass")
+    print(f"{'point':28} {'predicted':>9} {'engine-only':>11} {'measured mean':>13} {'min..max':>11} {'diff':>8}  pass")
     for name, p in points.items():
-        print(f"{name:28} {p['predicted_attainment']:>9.0%} {p['measured_mean']:>13.0%} "
-              f"{p['measured_min']:>5.0%}..{p['measured_max']:<4.0%} {p['difference_pp']:>+7.1f}pp  {p['pass']}")
+        print(f"{name:28} {p['predicted_attainment']:>9.0%} {p['predicted_engine_only']:>11.0%} "
+              f"{p['measured_mean']:>13.0%} {p['measured_min']:>5.0%}..{p['measured_max']:<4.0%} "
+              f"{p['difference_pp']:>+7.1f}pp  {p['pass']}")
     if "ranking" in result:
         print(f"layout ranking: {result['ranking']}")
     print("PASS" if result["pass"] else "FAIL")

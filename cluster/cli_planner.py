@@ -22,6 +22,18 @@ def add_commands(sub) -> None:
     add_engine_args(prof)
     prof.set_defaults(func=_profile)
 
+    cal = sub.add_parser("calibrate", help="scale a profile to what serving steps took (a step log)",
+                         description="Serving adds CPU work the engine-alone profile cannot see (router, "
+                                     "clients, the worker's own streaming and KV-transfer threads). Record a "
+                                     "step log while serving (PDSERVE_STEP_LOG=DIR in the workers' "
+                                     "environment), then scale each kind of step (prefill, decode, mixed) by "
+                                     "its median measured/predicted time.")
+    cal.add_argument("--profile", required=True, help="JSON from `pdserve profile`")
+    cal.add_argument("--step-log", required=True, help="directory of the workers' step logs")
+    cal.add_argument("--name", default="", help="only engines whose log names start with this (prefill, decode)")
+    cal.add_argument("--out", required=True, help="calibrated profile JSON to write")
+    cal.set_defaults(func=_calibrate)
+
     plan = sub.add_parser("plan", help="instances per pool to meet TTFT/TPOT SLOs at a rate",
                           description="Simulate the pools with a profile and find how many prefill and "
                                       "decode instances meet the SLOs (and the best colocated "
@@ -65,6 +77,24 @@ def _profile(args) -> int:
                              progress=lambda m: print(m, file=sys.stderr, flush=True))
     Path(args.out).write_text(profile.to_json())
     print(f"wrote {args.out}: prefill {profile.prefill_coeffs}, decode {profile.decode_coeffs}")
+    return 0
+
+
+def _calibrate(args) -> int:
+    from cluster.planner.calibrate import calibrate
+    from engine.profile import Profile
+    from engine.step_log import read_step_logs
+
+    profile = Profile.load(args.profile)
+    steps = read_step_logs(args.step_log, args.name)
+    if not steps:
+        raise ValueError(f"no step records under {args.step_log} (set PDSERVE_STEP_LOG={args.step_log} in the "
+                         f"workers' environment while they serve)")
+    calibrated = calibrate(profile, steps)
+    Path(args.out).write_text(calibrated.to_json())
+    record = calibrated.samples["serving_calibration"]
+    print(f"wrote {args.out}: serving/engine-alone step time by kind {record['factors']} "
+          f"(from {record['steps']} steps)")
     return 0
 
 

@@ -42,6 +42,22 @@ def test_profile_then_plan(tiny_llama_dir, tmp_path):
     assert profile.colocated_coeffs == pytest.approx(
         fit_colocated([tuple(s) for s in prefill], [tuple(s) for s in decode], [tuple(s) for s in mixed]))
 
+    # calibrated to a step log in which decode steps took 1.5x the profile's word
+    logs = tmp_path / "steps"
+    logs.mkdir()
+    (logs / "decode-123.jsonl").write_text("".join(
+        json.dumps({"t": i, "s": 1.5 * profile.decode_step_s(b, b * 100), "T": 0, "Q": 0, "B": b, "C": b * 100})
+        + "\n" for i, b in enumerate((1, 2, 4, 8, 16, 32))))
+    out = pdserve("calibrate", "--profile", str(profile_path), "--step-log", str(logs), "--out",
+                  str(tmp_path / "calibrated.json"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    calibrated = Profile.load(tmp_path / "calibrated.json")
+    assert calibrated.decode_coeffs == pytest.approx(tuple(1.5 * c for c in profile.decode_coeffs))
+    assert calibrated.prefill_coeffs == profile.prefill_coeffs
+    out = pdserve("calibrate", "--profile", str(profile_path), "--step-log", str(tmp_path / "none"), "--out",
+                  str(tmp_path / "x.json"))
+    assert out.returncode == 2 and "no step records" in out.stderr
+
     trace = tmp_path / "trace.jsonl"
     trace.write_text("".join(json.dumps({"arrival_s": i * 0.1, "prompt_len": 64 + 16 * (i % 8), "max_tokens": 32})
                              + "\n" for i in range(100)))

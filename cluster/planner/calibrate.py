@@ -1,0 +1,61 @@
+"""Serving-calibrated latency models: a profile's step times scaled, kind by kind, by what
+the same engine's steps took while it served.
+
+`pdserve profile` times the engine alone. Serving adds what that cannot see: the router,
+the clients and Ray on the same cores, and the worker's own gRPC, token-streaming and
+KV-transfer threads beside its engine (measured on this 2-core machine: serving steps took
+1.2-1.7x the engine-alone model; benchmarks/planner_validation.py). A step log recorded
+while serving (PDSERVE_STEP_LOG, engine.step_log) measures it: for each kind of step --
+prefill only, decode only, mixed (prompt chunks beside running decodes) -- the median of
+measured / predicted seconds scales that kind's coefficients. Pure: no I/O here.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import replace
+
+from engine.profile import Profile
+
+KINDS = ("prefill", "decode", "mixed")
+MIN_STEPS = 5  # fewer logged steps of a kind: not calibrated by its own steps (see calibrate)
+
+
+def step_kind(step: dict) -> str:
+    """"prefill", "decode" or "mixed", from a step record's T (prompt tokens) and B (decodes)."""
+    if step["T"] and step["B"]:
+        return "mixed"
+    return "prefill" if step["T"] else "decode"
+
+
+def predicted_s(profile: Profile, step: dict) -> float:
+    kind = step_kind(step)
+    if kind == "mixed":
+        return profile.colocated_step_s(step["T"], step["Q"], step["B"], step["C"])
+    if kind == "prefill":
+        return profile.prefill_step_s(step["T"], step["Q"])
+    return profile.decode_step_s(step["B"], step["C"])
+
+
+def step_ratios(profile: Profile, steps: list[dict]) -> dict[str, list[float]]:
+    """Measured / predicted seconds of each logged step (records with s, T, Q, B, C), by kind."""
+    ratios: dict[str, list[float]] = {}
+    for step in steps:
+        model = predicted_s(profile, step)
+        if model > 0:
+            ratios.setdefault(step_kind(step), []).append(step["s"] / model)
+    return ratios
+
+
+def calibrate(profile: Profile, steps: list[dict]) -> Profile:
+    """`profile` with each kind's coefficients scaled by its median measured/predicted ratio
+    over `steps` (a serving step log of engines this profile models); the factors and step
+    counts are recorded in the result's samples["serving_calibration"]. A kind with fewer
+    than MIN_STEPS steps: prefill or decode keeps its profiled coefficients; mixed steps
+    take the prefill factor on their prefill terms and the decode factor on the rest."""
+    ratios = step_ratios(profile, steps)
+    factors = {kind: statistics.median(r) for kind, r in ratios.items() if len(r) >= MIN_STEPS}
+    calibrated = profile.scaled(prefill=factors.get("prefill", 1.0), decode=factors.get("decode", 1.0),
+                                mixed=factors.get("mixed"))
+    record = {"factors": factors, "steps": {kind: len(r) for kind, r in ratios.items()}}
+    return replace(calibrated, samples={**profile.samples, "serving_calibration": record})
