@@ -4,7 +4,7 @@
    to both cores (a colocated engine): prefill, decode and mixed steps (`pdserve profile`);
 2. calibrate each profile to serving (cluster.planner.calibrate): replay online-poisson
    requests 100-159 through the real service in each layout with step logging on
-   (engine.step_log), and scale each kind of step by its median measured/predicted time;
+   (engine.step_log), and add to each kind of step the seconds serving added to it;
 3. predict SLO attainment with the simulator under the serving configuration's own
    policies (a decode worker prefills a prompt of at most `local_prefill_max_tokens`
    itself), with the calibrated and with the engine-only profiles: online-poisson (its
