@@ -4,7 +4,7 @@
    to both cores (a colocated engine): prefill, decode and mixed steps (`pdserve profile`);
 2. calibrate each profile to serving (cluster.planner.calibrate): replay online-poisson
    requests 100-159 through the real service in each layout with step logging on
-   (engine.step_log), and add to each kind of step the seconds serving added to it;
+   (engine.step_log), and scale each kind of step by its median measured/predicted time;
 3. predict SLO attainment with the simulator under the serving configuration's own
    policies (a decode worker prefills a prompt of at most `local_prefill_max_tokens`
    itself), with the calibrated and with the engine-only profiles: online-poisson (its
@@ -175,14 +175,18 @@ def plot(result: dict, path: Path) -> None:
     names = list(points)
     with panels(path, 1, width=8.0) as (ax,):
         xs = range(len(names))
-        ax.bar([x - 0.2 for x in xs], [100 * points[n]["predicted_attainment"] for n in names], 0.4, label="predicted")
-        ax.bar([x + 0.2 for x in xs], [100 * points[n]["measured_mean"] for n in names], 0.4, label="measured (mean)",
+        ax.bar([x - 0.27 for x in xs], [100 * points[n]["predicted_engine_only"] for n in names], 0.27,
+               label="predicted, engine-only profile", color="lightgray")
+        ax.bar(list(xs), [100 * points[n]["predicted_attainment"] for n in names], 0.27,
+               label="predicted, serving-calibrated")
+        ax.bar([x + 0.27 for x in xs], [100 * points[n]["measured_mean"] for n in names], 0.27, label="measured (mean)",
                yerr=[[100 * (points[n]["measured_mean"] - points[n]["measured_min"]) for n in names],
                      [100 * (points[n]["measured_max"] - points[n]["measured_mean"]) for n in names]])
         ax.set_xticks(list(xs), [n.replace("/", "\n") for n in names], fontsize=7)
         ax.set_ylabel("SLO attainment (%)")
         ax.set_title(f"planner validation ({result['repeats']} repeats; bars: min..max)")
-        ax.legend()
+        ax.set_ylim(0, 125)
+        ax.legend(fontsize=7, loc="upper center", ncol=3)
 
 
 def main() -> None:

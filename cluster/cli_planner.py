@@ -22,13 +22,12 @@ def add_commands(sub) -> None:
     add_engine_args(prof)
     prof.set_defaults(func=_profile)
 
-    cal = sub.add_parser("calibrate", help="add to a profile the time serving adds to each step (a step log)",
+    cal = sub.add_parser("calibrate", help="scale a profile to what serving steps took (a step log)",
                          description="Serving adds CPU work the engine-alone profile cannot see (router, "
                                      "clients, the worker's own streaming and KV-transfer threads). Record a "
                                      "step log while serving (PDSERVE_STEP_LOG=DIR in the workers' "
-                                     "environment, e.g. the service config's env), then add to each kind of "
-                                     "step (prefill, decode, mixed) the extra seconds the log shows, per step "
-                                     "and per decode row.")
+                                     "environment), then scale each kind of step (prefill, decode, mixed) by "
+                                     "its median measured/predicted time.")
     cal.add_argument("--profile", required=True, help="JSON from `pdserve profile`")
     cal.add_argument("--step-log", required=True, help="directory of the workers' step logs")
     cal.add_argument("--name", default="", help="only engines whose log names start with this (prefill, decode)")
@@ -94,9 +93,8 @@ def _calibrate(args) -> int:
     calibrated = calibrate(profile, steps)
     Path(args.out).write_text(calibrated.to_json())
     record = calibrated.samples["serving_calibration"]
-    added = ", ".join(f"{kind} +{o['e0'] * 1000:.1f} ms +{o['e1'] * 1000:.2f} ms/row"
-                      for kind, o in record["overhead_s"].items())
-    print(f"wrote {args.out}: serving adds {added or 'nothing'} (from {record['steps']} steps)")
+    print(f"wrote {args.out}: serving/engine-alone step time by kind {record['factors']} "
+          f"(from {record['steps']} steps)")
     return 0
 
 

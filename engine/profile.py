@@ -67,14 +67,19 @@ class Profile:
     def transfer_s(self, tokens: int) -> float:
         return tokens * self.kv_bytes_per_token / self.kv_bandwidth_bytes_per_s
 
-    def scaled(self, prefill: float = 1.0, decode: float = 1.0) -> Profile:
+    def scaled(self, prefill: float = 1.0, decode: float = 1.0, mixed: float | None = None) -> Profile:
         """The same profile with step times multiplied: prefill steps by `prefill`, decode
-        steps by `decode`, mixed steps' prefill terms by `prefill` and the rest by `decode`
-        (the autoscaler's correction factors)."""
+        steps by `decode`, mixed steps by `mixed` (default: their prefill terms by `prefill`,
+        their decode terms by `decode`). Autoscaler corrections; serving calibration."""
         from dataclasses import replace
 
         colocated = self.colocated_coeffs
-        if colocated is not None:
+        if mixed is not None:
+            p0, p1, p2 = self.prefill_coeffs
+            _, d1, d2 = self.decode_coeffs
+            base = colocated or (max(p0, self.decode_coeffs[0]), p1, p2, d1, d2)
+            colocated = tuple(c * mixed for c in base)
+        elif colocated is not None:  # prefill terms by the prefill factor, decode terms by the decode one
             colocated = (colocated[0] * max(prefill, decode), colocated[1] * prefill, colocated[2] * prefill,
                          colocated[3] * decode, colocated[4] * decode)
         return replace(self, prefill_coeffs=tuple(c * prefill for c in self.prefill_coeffs),

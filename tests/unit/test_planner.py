@@ -246,34 +246,29 @@ def test_the_autoscaler_wants_fewer_prefill_workers_when_prompts_hit_the_cache()
     assert want[1] < want[0]
 
 
-def test_calibration_recovers_the_time_serving_adds_per_step_and_per_streamed_row():
+def test_calibration_recovers_how_much_slower_serving_steps_are():
     from cluster.planner.calibrate import MIN_STEPS, calibrate
 
     profile = Profile("m", (0.02, 0.001, 1e-7), (0.03, 0.002, 1e-6), 1000, 1e9,
                       colocated_coeffs=(0.03, 0.001, 1e-7, 0.002, 1e-6))
-    extra = {"prefill": (0.015, 0.0), "decode": (0.004, 0.0007), "mixed": (0.02, 0.001)}  # e0 [s], e1 [s/row]
+    serving = profile.scaled(prefill=1.3, decode=1.1, mixed=1.6)  # what the steps really took
     shapes = ([(t, t * t, 0, 0) for t in (64, 256, 1024, 2048, 512, 128)]
-              + [(0, 0, b, b * 300) for b in (1, 4, 16, 64, 32, 8, 4, 16)]
-              + [(t, t * t, b, b * 200) for t, b in ((128, 4), (512, 16), (64, 64), (256, 8), (1024, 2))])
-
-    def logged(t, q, b, c):
-        kind = "mixed" if t and b else "prefill" if t else "decode"
-        model = (profile.colocated_step_s(t, q, b, c) if kind == "mixed" else
-                 profile.prefill_step_s(t, q) if kind == "prefill" else profile.decode_step_s(b, c))
-        return {"T": t, "Q": q, "B": b, "C": c, "s": model + extra[kind][0] + extra[kind][1] * b}
-
-    steps = [logged(*shape) for shape in shapes]
-    outliers = [{**logged(0, 0, 16, 4800), "s": 3.0}]  # one step a busy machine stretched: the median ignores it
-    calibrated = calibrate(profile, steps + outliers)
+              + [(0, 0, b, b * 300) for b in (1, 4, 16, 64, 32, 8)]
+              + [(t, t * t, b, b * 200) for t, b in ((128, 4), (512, 16), (64, 64), (256, 8), (1024, 2))]
+              + [(t, t * t, 0, 0) for t in (32,)])
+    steps = [{"T": t, "Q": q, "B": b, "C": c, "s": (serving.colocated_step_s(t, q, b, c) if t and b else
+                                                    serving.prefill_step_s(t, q) if t else serving.decode_step_s(b, c))}
+             for t, q, b, c in shapes]
+    calibrated = calibrate(profile, steps)
+    assert calibrated.samples["serving_calibration"]["factors"] == pytest.approx(
+        {"prefill": 1.3, "decode": 1.1, "mixed": 1.6})
     for t, q, b, c in shapes:
-        assert calibrated.prefill_step_s(t, q) == pytest.approx(profile.prefill_step_s(t, q) + 0.015)
-        assert calibrated.decode_step_s(b, c) == pytest.approx(profile.decode_step_s(b, c) + 0.004 + 0.0007 * b)
-        assert calibrated.colocated_step_s(t, q, b, c) == pytest.approx(
-            profile.colocated_step_s(t, q, b, c) + 0.02 + 0.001 * b)
-    # too few mixed steps: they take the decode overhead (what their decode rows stream)
-    few = calibrate(profile, [s for s in steps if not (s["T"] and s["B"])] + steps[-(MIN_STEPS - 1):])
-    assert "mixed" not in few.samples["serving_calibration"]["overhead_s"]
-    assert few.colocated_step_s(128, 128**2, 4, 800) == pytest.approx(
-        profile.colocated_step_s(128, 128**2, 4, 800) + 0.004 + 0.0007 * 4)
-    decode_only = calibrate(profile, [s for s in steps if not s["T"]])  # unlogged prefill keeps its own
+        assert calibrated.colocated_step_s(t, q, b, c) == pytest.approx(serving.colocated_step_s(t, q, b, c))
+        assert calibrated.prefill_step_s(t, q) == pytest.approx(serving.prefill_step_s(t, q))
+        assert calibrated.decode_step_s(b, c) == pytest.approx(serving.decode_step_s(b, c))
+    # too few mixed steps: their prefill terms take the prefill factor, their decode terms the decode one
+    few = calibrate(profile, [s for s in steps if not (s["T"] and s["B"])] + [steps[12]] * (MIN_STEPS - 1))
+    assert set(few.samples["serving_calibration"]["factors"]) == {"prefill", "decode"}
+    assert few.colocated_coeffs == pytest.approx(profile.scaled(prefill=1.3, decode=1.1).colocated_coeffs)
+    decode_only = calibrate(profile, [s for s in steps if not s["T"]])  # and unlogged prefill keeps its own
     assert decode_only.prefill_coeffs == profile.prefill_coeffs
