@@ -1,0 +1,30 @@
+"""The profiler times real work: every prompt it times is new to the engine, so a prefix-cache
+hit cannot pass for a prefill (it did, once prefix caching landed: a 2048-token prefill was
+profiled at 105 ms instead of 4.2 s)."""
+
+import pytest
+
+from cluster.planner import profiler
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir):
+    return LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_num_batched_tokens=256))
+
+
+def test_timed_prefills_compute_every_prompt_token(engine):
+    before = engine.num_prefill_tokens_computed
+    profiler._prefill_step(engine, [64] * 4, repeats=2)
+    assert engine.num_prefill_tokens_computed - before == 3 * 4 * 64  # warm-up round + 2 timed rounds
+    assert engine.scheduler.num_cache_hit_tokens == 0
+
+
+def test_a_mixed_step_carries_the_prompt_beside_every_running_decode(engine):
+    before = engine.num_prefill_tokens_computed
+    shape, seconds = profiler._mixed_step(engine, batch=16, context=32, tokens=128, repeats=2)
+    assert shape[0] == 128 and shape[1] == 128 * 128 and shape[2] == 16  # T, Q, B
+    assert seconds > 0
+    assert not engine.has_unfinished_requests()
+    assert engine.num_prefill_tokens_computed - before >= 3 * 128  # the timed prompts, never cached
