@@ -13,7 +13,12 @@
    multi-turn-chat (closed-loop chat clients; predicted from the arrivals, lengths and
    prefix-cache hits each run offered, as the router sees them);
 4. replay every point through the real service `--repeats` times, the repeats interleaved
-   so that drift of this shared machine falls on every point alike; report each point's
+   so that drift of this shared machine falls on every point alike; a run is re-run (up to
+   MAX_RERUNS times) when this machine itself was slow around it: a fixed CPU probe, timed
+   with no service up just before and just after the run, took over PROBE_SLOWDOWN times
+   its fastest time so far (measured: another tenant's load once made every step here
+   2.5-4x slower for six minutes; a planner cannot predict that, and the run would say
+   nothing about it); the discarded runs stay in the results; report each point's
    mean and spread and pass/fail against the targets: every point within 10 pp, and
    layouts ranked as measured wherever their measured goodputs differ by more than 10%;
    with each run's steps' measured/predicted time, per kind, against both profiles;
@@ -43,6 +48,8 @@ from benchmarks.report import panels, write  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results"
 WORKLOADS = ROOT.parent / "shared" / "workloads"
 TOLERANCE_PP = 10.0  # a point passes when |mean measured - predicted| <= this
+PROBE_SLOWDOWN = 1.5  # a run is re-run when the machine probe around it took this x its fastest
+MAX_RERUNS = 2
 RANKING_MARGIN = 0.10  # layouts whose measured goodputs differ by more must be ranked alike
 
 
@@ -56,6 +63,28 @@ def measured_attainment(results: list[dict], ttft_slo: float, tpot_slo: float) -
     ok = [r for r in results if r["error"] is None and r["ttft_s"] is not None and r["ttft_s"] <= ttft_slo
           and (r["tpot_s"] is None or r["tpot_s"] <= tpot_slo)]
     return len(ok) / len(results)
+
+
+def machine_probe() -> float:
+    """Seconds of a fixed piece of CPU work (fp32 matmuls and a 64 MB copy on 2 threads),
+    best of 3: this machine's own speed, independent of pdserve; run with no service up."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    a, src = torch.randn(384, 384), torch.ones(16 << 20)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    try:
+        for _ in range(3):
+            start = time.perf_counter()
+            for _ in range(320):
+                a @ a
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return best
 
 
 def to_replay(requests) -> list[dict]:
@@ -275,11 +304,24 @@ def main() -> None:
             points["multi-turn-chat"] = {"layout": "disaggregated", "work": None, "runs": [],
                                          "drive": chat_driver(workload_rows("multi-turn-chat", args.chat_sessions))}
 
+        fastest_probe = min(machine_probe() for _ in range(3))
         for repeat in range(args.repeats):
             for name, point in points.items():
                 print(f"[{repeat + 1}/{args.repeats}] {name} ...", flush=True)
                 layout = point["layout"]
-                measured, start, end = serve_and_drive(args.model, layouts[layout], point["drive"], args.port)
+                for attempt in range(MAX_RERUNS + 1):
+                    before = machine_probe()
+                    measured, start, end = serve_and_drive(args.model, layouts[layout], point["drive"], args.port)
+                    probe = (before, machine_probe())
+                    fastest_probe = min(fastest_probe, *probe)
+                    disturbed = max(probe) > PROBE_SLOWDOWN * fastest_probe
+                    if not disturbed or attempt == MAX_RERUNS:
+                        break
+                    point.setdefault("disturbed_runs", []).append(
+                        {"measured_attainment": measured_attainment(measured, slo.ttft_s, slo.tpot_s),
+                         "probe_s": probe, "fastest_probe_s": fastest_probe})
+                    print(f"  machine slow around this run (probe {max(probe):.3f}s, fastest {fastest_probe:.3f}s): "
+                          f"measured {point['disturbed_runs'][-1]['measured_attainment']:.0%}, re-running", flush=True)
                 work = point["work"] or observed_work(measured)
                 steps = [s for s in read_step_logs(step_dir) if start <= s["t"] <= end]
                 run = {"predicted": prediction(profiles[layout], layout, work),
@@ -288,7 +330,8 @@ def main() -> None:
                        "requests": len(measured), "span_s": work[-1].arrival_s - work[0].arrival_s,
                        "errors": sum(r["error"] is not None for r in measured), "results": measured, "work": work,
                        "steps_vs_engine_only": step_errors(steps, engine_only[layout]),
-                       "steps_vs_calibrated": step_errors(steps, profiles[layout])}
+                       "steps_vs_calibrated": step_errors(steps, profiles[layout]),
+                       "probe_s": probe, "machine_disturbed": disturbed}
                 point["runs"].append(run)
                 print(f"  predicted {run['predicted']['attainment']:.0%} "
                       f"(engine-only profile {run['predicted_engine_only']['attainment']:.0%}), "
@@ -310,6 +353,10 @@ def main() -> None:
         print(f"{name:28} {p['predicted_attainment']:>9.0%} {p['predicted_engine_only']:>11.0%} "
               f"{p['measured_mean']:>13.0%} {p['measured_min']:>5.0%}..{p['measured_max']:<4.0%} "
               f"{p['difference_pp']:>+7.1f}pp  {p['pass']}")
+    for name, p in points.items():
+        for run in p.get("disturbed_runs", []):
+            print(f"{name}: a run re-run for a slow machine (probe {max(run['probe_s']):.3f}s, fastest "
+                  f"{run['fastest_probe_s']:.3f}s) had measured {run['measured_attainment']:.0%}")
     if "ranking" in result:
         print(f"layout ranking: {result['ranking']}")
     print("PASS" if result["pass"] else "FAIL")

@@ -6,7 +6,13 @@ decode step (B running requests, C their total context tokens):
     t = d0 + d1 * B + d2 * C
 a mixed step (both at once: a colocated engine, or a decode worker prefilling locally),
     fitted on profiled mixed steps as well as pure ones:
-    t = c0 + c1 * T + c2 * Q + c3 * B + c4 * C
+    t = c0 + c1 * T + c2 * Q + c3 * B + c4 * C + c5 * T^2 + c6 * [T > 0 and B > 0]
+    c5: a step's cost grows faster than its tokens once its activations outgrow the caches
+    (measured, bf16 on 2 cores: 4 prompts of 512 took 1.43 s, 1 of 1024 0.77 s; the Q term
+    alone put the first at 1.06 s); c6: the fixed extra of carrying both kinds of rows (the
+    mixed attention path, the linear layers' kernel choice past 16 rows: 16 decodes took
+    42 ms, with a 16-token prompt beside them 60 ms). Profiles from before these terms
+    carry five coefficients: c5 = c6 = 0.
     (profiles without mixed samples: one weight pass doing both, p0 + p1 T + p2 Q + d1 B + d2 C)
 KV transfer of n tokens: n * kv_bytes_per_token / kv_bandwidth_bytes_per_s
 """
@@ -31,17 +37,18 @@ class Profile:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     kv_capacity_tokens: int = 1 << 20
-    colocated_coeffs: tuple[float, ...] | None = None  # c0..c4 (None: from the two above)
+    colocated_coeffs: tuple[float, ...] | None = None  # c0..c6 (None: from the two above)
     samples: dict = field(default_factory=dict, compare=False)  # raw measurements, for the record
 
     def __post_init__(self) -> None:
-        for name, size in (("prefill_coeffs", 3), ("decode_coeffs", 3), ("colocated_coeffs", 5)):
+        for name, sizes in (("prefill_coeffs", (3,)), ("decode_coeffs", (3,)), ("colocated_coeffs", (5, 7))):
             coeffs = getattr(self, name)
             if coeffs is None and name == "colocated_coeffs":
                 continue
-            if len(coeffs) != size or not all(isinstance(c, int | float) and math.isfinite(c) and c >= 0
-                                           for c in coeffs):
-                raise ValueError(f"profile {name} must be {size} finite non-negative numbers, got {coeffs!r}")
+            if len(coeffs) not in sizes or not all(isinstance(c, int | float) and math.isfinite(c) and c >= 0
+                                                   for c in coeffs):
+                count = " or ".join(map(str, sizes))
+                raise ValueError(f"profile {name} must be {count} finite non-negative numbers, got {coeffs!r}")
         if not self.kv_bandwidth_bytes_per_s > 0 or self.kv_bytes_per_token < 0:
             raise ValueError("profile kv_bandwidth_bytes_per_s must be > 0 and kv_bytes_per_token >= 0")
         for name in ("max_num_batched_tokens", "max_num_seqs", "kv_capacity_tokens"):
@@ -58,11 +65,19 @@ class Profile:
 
     def colocated_step_s(self, tokens: int, squared: float, batch: int, context: int) -> float:
         if self.colocated_coeffs is not None:
-            c0, c1, c2, c3, c4 = self.colocated_coeffs
-            return c0 + c1 * tokens + c2 * squared + c3 * batch + c4 * context
+            c0, c1, c2, c3, c4, c5, c6 = (*self.colocated_coeffs, 0.0, 0.0)[:7]
+            both = 1.0 if tokens and batch else 0.0
+            return c0 + c1 * tokens + c2 * squared + c3 * batch + c4 * context + c5 * tokens * tokens + c6 * both
         p0, p1, p2 = self.prefill_coeffs
         _, d1, d2 = self.decode_coeffs
         return max(p0, self.decode_coeffs[0]) + p1 * tokens + p2 * squared + d1 * batch + d2 * context
+
+    def step_s(self, tokens: int, squared: float, batch: int, context: int) -> float:
+        """Any step, by its kind (`step_kind`): the prefill, decode or mixed-step model."""
+        kind = step_kind(tokens, batch)
+        if kind == "mixed":
+            return self.colocated_step_s(tokens, squared, batch, context)
+        return self.prefill_step_s(tokens, squared) if kind == "prefill" else self.decode_step_s(batch, context)
 
     def transfer_s(self, tokens: int) -> float:
         return tokens * self.kv_bytes_per_token / self.kv_bandwidth_bytes_per_s
@@ -80,8 +95,10 @@ class Profile:
             base = colocated or (max(p0, self.decode_coeffs[0]), p1, p2, d1, d2)
             colocated = tuple(c * mixed for c in base)
         elif colocated is not None:  # prefill terms by the prefill factor, decode terms by the decode one
-            colocated = (colocated[0] * max(prefill, decode), colocated[1] * prefill, colocated[2] * prefill,
-                         colocated[3] * decode, colocated[4] * decode)
+            both = max(prefill, decode)
+            colocated = (colocated[0] * both, colocated[1] * prefill, colocated[2] * prefill,
+                         colocated[3] * decode, colocated[4] * decode,
+                         *(c * f for c, f in zip(colocated[5:], (prefill, both), strict=False)))
         return replace(self, prefill_coeffs=tuple(c * prefill for c in self.prefill_coeffs),
                        decode_coeffs=tuple(c * decode for c in self.decode_coeffs), colocated_coeffs=colocated)
 
@@ -113,14 +130,20 @@ class Profile:
             raise ValueError(f"profile {path}: {exc}") from None
 
 
+def step_kind(tokens: int, batch: int) -> str:
+    """"mixed" (prompt tokens beside decodes), "prefill" (prompt tokens only) or "decode"."""
+    if tokens and batch:
+        return "mixed"
+    return "prefill" if tokens else "decode"
+
+
 def prefill_seconds(profile: Profile, tokens: int, batch: int = 0, context: int = 0) -> float:
     """Predicted time to prefill `tokens` prompt tokens, chunked under the token budget; with
     `batch` running requests of `context` tokens in all, each step also carries their decode."""
     budget, seconds = profile.max_num_batched_tokens, 0.0
     for start in range(0, tokens, budget):
         chunk = min(budget, tokens - start)
-        seconds += (profile.colocated_step_s(chunk, chunk * chunk, batch, context) if batch
-                    else profile.prefill_step_s(chunk, chunk * chunk))
+        seconds += profile.step_s(chunk, chunk * chunk, batch, context)
     return seconds
 
 
@@ -153,11 +176,13 @@ def fit_decode(samples: list[tuple[int, int, float]]) -> tuple[float, float, flo
 
 def fit_colocated(prefill: list[tuple[int, float, float]], decode: list[tuple[int, int, float]],
                   mixed: list[tuple[int, float, int, int, float]]) -> tuple[float, ...]:
-    """The mixed-step model on every sample: prefill (T, Q, s), decode (B, C, s) and mixed
-    (T, Q, B, C, s) steps; each sample weighted by 1/seconds, so that short decode steps
-    count as much as long prefill ones (relative, not absolute, error is minimised)."""
-    rows = ([(1, t, q, 0, 0, s) for t, q, s in prefill] + [(1, 0, 0, b, c, s) for b, c, s in decode]
-            + [(1, t, q, b, c, s) for t, q, b, c, s in mixed])
+    """The mixed-step model c0..c6 on every sample: prefill (T, Q, s), decode (B, C, s) and
+    mixed (T, Q, B, C, s) steps; each sample weighted by 1/seconds, so that short decode
+    steps count as much as long prefill ones (relative, not absolute, error is minimised)."""
+    rows = ([(t, q, 0, 0, s) for t, q, s in prefill] + [(0, 0, b, c, s) for b, c, s in decode]
+            + [tuple(sample) for sample in mixed])
     data = np.asarray(rows, dtype=float)
-    weights = 1.0 / np.maximum(data[:, 5], 1e-6)
-    return fit_nonnegative(data[:, :5] * weights[:, None], data[:, 5] * weights)
+    t, q, b, c, seconds = data.T
+    features = np.column_stack([np.ones(len(data)), t, q, b, c, t * t, (t > 0) & (b > 0)])
+    weights = 1.0 / np.maximum(seconds, 1e-6)
+    return fit_nonnegative(features * weights[:, None], seconds * weights)

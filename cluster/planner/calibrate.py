@@ -16,25 +16,18 @@ import statistics
 from dataclasses import replace
 
 from engine.profile import Profile
+from engine.profile import step_kind as kind_of
 
-KINDS = ("prefill", "decode", "mixed")
 MIN_STEPS = 5  # fewer logged steps of a kind: not calibrated by its own steps (see calibrate)
 
 
 def step_kind(step: dict) -> str:
     """"prefill", "decode" or "mixed", from a step record's T (prompt tokens) and B (decodes)."""
-    if step["T"] and step["B"]:
-        return "mixed"
-    return "prefill" if step["T"] else "decode"
+    return kind_of(step["T"], step["B"])
 
 
 def predicted_s(profile: Profile, step: dict) -> float:
-    kind = step_kind(step)
-    if kind == "mixed":
-        return profile.colocated_step_s(step["T"], step["Q"], step["B"], step["C"])
-    if kind == "prefill":
-        return profile.prefill_step_s(step["T"], step["Q"])
-    return profile.decode_step_s(step["B"], step["C"])
+    return profile.step_s(step["T"], step["Q"], step["B"], step["C"])
 
 
 def step_ratios(profile: Profile, steps: list[dict]) -> dict[str, list[float]]:

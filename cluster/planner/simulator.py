@@ -8,7 +8,9 @@
 - routing: the prefill instance with the fewest queued tokens, the decode instance with
   the fewest requests (the least-loaded policy);
 - colocated: one engine per instance doing both, running requests first (decode tokens,
-  then prefill chunks under the same budget), as engine.scheduler does;
+  then prefill chunks under the same budget), as engine.scheduler does; a step takes the
+  model of its kind (Profile.step_s: the mixed-step model only where prompt chunks and
+  decodes share it), as the serving calibration measures it;
 - prefix caching: a request's `cached_len` leading prompt tokens are neither computed nor
   shipped (attention still spans them); a disaggregated request whose uncached tokens are
   at most `local_prefill_max_tokens` is prefilled on its decode instance, mixed into its
@@ -195,7 +197,7 @@ class _Simulation:
                 budget -= n
         tokens = sum(n for _, n in chunks)
         squared = sum(n * (j.req.prompt_len - j.remaining_prompt + n) for j, n in chunks)
-        duration = self.p.colocated_step_s(tokens, squared, len(decoding), sum(j.context for j in decoding))
+        duration = self.p.step_s(tokens, squared, len(decoding), sum(j.context for j in decoding))
         return duration, chunks
 
     def _decode_step_done(self, now: float, payload) -> None:

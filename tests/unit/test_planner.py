@@ -55,10 +55,12 @@ def test_fits_recover_known_coefficients():
     decode = [(b, c, 0.02 + 0.001 * b + 1e-6 * c) for b, c in [(1, 128), (4, 2048), (16, 2048), (64, 32768)]]
     assert fit_prefill(prefill) == pytest.approx((0.01, 0.002, 3e-7), rel=1e-6)
     assert fit_decode(decode) == pytest.approx((0.02, 0.001, 1e-6), rel=1e-6)
-    true = (0.015, 0.0021, 2.5e-7, 0.0013, 2e-6)
+    # c5 (T^2: a step outgrowing the caches) and c6 (a step carrying both prompt and decode rows)
+    true = (0.015, 0.0021, 2.5e-7, 0.0013, 2e-6, 4e-8, 0.02)
 
     def mixed_time(t, q, b, c):
-        return true[0] + true[1] * t + true[2] * q + true[3] * b + true[4] * c
+        return (true[0] + true[1] * t + true[2] * q + true[3] * b + true[4] * c + true[5] * t * t
+                + true[6] * (t > 0 and b > 0))
 
     mixed = [(t, q, b, c, mixed_time(t, q, b, c)) for t, q, b, c in [(128, 16384, 4, 512), (512, 2**18, 16, 2048),
                                                                       (1536, 1536**2, 64, 8192)]]
@@ -82,8 +84,26 @@ def test_a_profile_with_a_mixed_step_model_uses_it_and_scales_it(tmp_path):
     slower = simulate(slow_mixing, work, prefill=0, decode=1, colocated=True)
     faster = simulate(additive, work, prefill=0, decode=1, colocated=True)
     assert slower.percentile("tpot_s", 90) > 1.5 * faster.percentile("tpot_s", 90)
-    with pytest.raises(ValueError, match="colocated_coeffs must be 5 finite non-negative numbers"):
+    with pytest.raises(ValueError, match="colocated_coeffs must be 5 or 7 finite non-negative numbers"):
         Profile("m", (0, 0, 0), (0, 0, 0), 1, 1.0, colocated_coeffs=(1.0, 2.0))
+
+
+def test_the_mixed_step_model_charges_a_steps_size_squared_and_carrying_both_kinds_of_rows():
+    five = (0.05, 0.003, 1e-6, 0.004, 1e-5)
+    old = Profile("m", (0.01, 0.001, 0.0), (0.01, 0.002, 0.0), 1000, 1e9, colocated_coeffs=five)
+    new = Profile("m", (0.01, 0.001, 0.0), (0.01, 0.002, 0.0), 1000, 1e9, colocated_coeffs=(*five, 2e-8, 0.03))
+    # a profile from before the two terms reads as it did
+    assert old.colocated_step_s(512, 2**18, 8, 800) == pytest.approx(0.05 + 1.536 + 0.262144 + 0.032 + 0.008)
+    # T^2 on every step with prompt tokens; the fixed extra only where prompt and decode rows meet
+    assert new.colocated_step_s(512, 2**18, 8, 800) == pytest.approx(
+        old.colocated_step_s(512, 2**18, 8, 800) + 2e-8 * 512**2 + 0.03)
+    assert new.colocated_step_s(512, 2**18, 0, 0) == pytest.approx(old.colocated_step_s(512, 2**18, 0, 0)
+                                                                     + 2e-8 * 512**2)
+    assert new.colocated_step_s(0, 0, 8, 800) == pytest.approx(old.colocated_step_s(0, 0, 8, 800))
+    # scaling: T^2 is a prefill term, the mixed extra takes the larger factor, like c0
+    assert new.scaled(prefill=2.0, decode=3.0).colocated_coeffs == pytest.approx(
+        (0.15, 0.006, 2e-6, 0.012, 3e-5, 4e-8, 0.09))
+    assert old.scaled(prefill=2.0, decode=3.0).colocated_coeffs == pytest.approx((0.15, 0.006, 2e-6, 0.012, 3e-5))
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +193,24 @@ def test_autoscaler_leaves_an_overridden_pool_alone():
     busy = {"count": 50, "rate": 2.0, "lengths": [(128, 64)] * 50, "ttft_p": 0.5, "tpot_p": 0.2}
     decision = scaler.decide(busy, {"prefill": 1, "decode": 1}, overridden={"decode"})
     assert "decode" not in decision.action and "operator override" in decision.reason
+
+
+def test_a_colocated_engine_takes_each_steps_own_model():
+    # the mixed-step model is far off for pure steps here: a pure decode costs 0.01 + 0.002 B,
+    # a pure prefill 0.01 + 0.001 T, but the mixed model puts 0.5 s on every step
+    profile = Profile("m", (0.01, 0.001, 0.0), (0.01, 0.002, 0.0), 1000, 1e9,
+                      colocated_coeffs=(0.5, 0.001, 0.0, 0.002, 0.0))
+    assert profile.step_s(0, 0, 4, 400) == pytest.approx(0.018)
+    assert profile.step_s(100, 10000, 0, 0) == pytest.approx(0.11)
+    assert profile.step_s(100, 10000, 4, 400) == pytest.approx(0.5 + 0.1 + 0.008)
+    # one request alone: its prompt in one prefill step, then 4 decode steps of batch 1
+    result = simulate(profile, [SimRequest(0.0, 100, 5)], prefill=0, decode=1, colocated=True)
+    assert result.ttft_s == [pytest.approx(0.11)]
+    assert result.tpot_s == [pytest.approx(0.012)]
+    # a second prompt arriving while the first decodes joins it in mixed steps, which alone pay 0.5 s
+    pair = simulate(profile, [SimRequest(0.0, 100, 5), SimRequest(0.115, 100, 2)], prefill=0, decode=1,
+                    colocated=True)
+    assert max(pair.ttft_s) == pytest.approx(0.11 + 0.012 + 0.5 + 0.1 + 0.002 - 0.115)
 
 
 def test_prefill_seconds_chunks_under_the_budget_and_mixing_costs_more():
