@@ -122,11 +122,22 @@ def test_a_dead_router_is_replaced(service):
 
     from tests.e2e.conftest import wait_http
 
+    controller = service["controller"]
+    killed_at = time.time()
     router = ray.get_actor("pdserve-router", namespace="pdserve")
     ray.kill(router, no_restart=True)
-    time.sleep(1.0)
+    # ray.kill returns before the process is gone, and the old router can answer HTTP for a
+    # while (on a loaded machine, more than a second): wait for the controller to see the death
+    # and start a replacement, then check that the replacement serves
+    deadline = time.monotonic() + 90
+    while True:
+        events = [(e["role"], e["event"]) for e in pool_state(controller)["events"] if e["time"] >= killed_at]
+        if ("router", "replaced") in events or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert ("router", "died") in events and ("router", "replaced") in events, events
+    replacement = ray.get_actor("pdserve-router", namespace="pdserve")
+    assert replacement._actor_id != router._actor_id
     wait_http(service["url"] + "/health", timeout_s=60)
     status, body, _ = post(service["url"] + "/v1/completions", {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3})
     assert status == 200 and body["usage"]["completion_tokens"] == 3
-    events = [(e["role"], e["event"]) for e in pool_state(service["controller"])["events"]]
-    assert ("router", "died") in events and ("router", "replaced") in events
