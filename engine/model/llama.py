@@ -78,7 +78,7 @@ class CausalLM:
         tied = getattr(hf_config, "tie_word_embeddings", False) or not reader.has("lm_head.weight")
         self.lm_head = self.embed if tied else reader.get("lm_head.weight")
         self.rope_cos, self.rope_sin = rope_tables(hf_config, max_model_len, self.dtype, self.device)
-        # bf16 on the CPU: the LM head packed for oneDNN (a copy when tied to the embedding,
+        # on the CPU: the LM head packed for oneDNN (a copy when tied to the embedding,
         # which lookups need plain); None where linear layers stay plain
         self.lm_head_packed = pack(self.lm_head) if can_pack(self.lm_head) else None
 

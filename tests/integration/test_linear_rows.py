@@ -1,0 +1,46 @@
+"""A linear layer gives a row the same bits however many rows share the product.
+
+This is what batch invariance rests on: a request decoding alone runs its linear layers on
+one row, the same request in a batch on many. On a CPU with avx512_bf16 and no AMX (an AMD
+EPYC), oneDNN's one-row path rounded SmolLM2's down projection differently from the same
+row among others, for real activations (random ones did not show it), and a greedy request
+alone drifted from the same request batched after 7 tokens. The activations here are the
+real ones, captured from a forward over a real prompt.
+"""
+
+import pytest
+import torch
+
+import engine.model.llama as llama
+from engine import LLM, SamplingParams
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_row_gets_the_same_bits_alone_and_among_others(smollm2_dir, dtype):
+    llm = LLM(str(smollm2_dir), max_model_len=128, dtype=dtype)
+    captured = []
+    original = llama.linear
+
+    def capture(x, weight, bias=None):
+        captured.append((x.clone(), weight, bias))
+        return original(x, weight, bias)
+
+    llama.linear = capture
+    try:
+        params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+        llm.generate(["Write a poem about autumn leaves."], params)
+    finally:
+        llama.linear = original
+    decode_calls = [c for c in captured if c[0].shape[0] == 1]
+    assert len(decode_calls) >= 2 * 4 * llm.engine.loaded.shape.num_layers  # every layer's 4 products, 2 steps
+    generator = torch.Generator().manual_seed(0)
+    mismatched = []
+    for index, (row, weight, bias) in enumerate(decode_calls):
+        alone = original(row, weight, bias)
+        others = torch.randn(63, row.shape[1], generator=generator).to(row.dtype)
+        for batch in (torch.cat([row, others[:1]]), torch.cat([others[:4], row]), torch.cat([others, row])):
+            position = 0 if batch[0].equal(row[0]) else batch.shape[0] - 1
+            if not torch.equal(original(batch, weight, bias)[position], alone[0]):
+                mismatched.append((index, tuple(weight.shape) if weight.layout == torch.strided else "packed",
+                                   batch.shape[0]))
+    assert not mismatched, f"{len(mismatched)} (call, weight, rows) differing from the row alone: {mismatched[:5]}"
