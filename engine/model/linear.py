@@ -8,9 +8,8 @@ fp32: `F.linear` goes to MKL, which on an AMD EPYC (Zen 5, measured) runs a 2048
 at 165 GFLOP/s where oneDNN's packed kernel runs 416, and SmolLM2's decode-step shapes
 2.5-4x faster at 64 rows. The results differ from MKL's in the last bits (a different
 summation order): fp32 stays token-identical to Hugging Face in the parity tests, not
-bit-identical. Neither library's rows are fully independent of the row count (MKL's
-differ below 8 rows, oneDNN's at 1 row on some shapes), which is why batch invariance is
-asserted on tokens.
+bit-identical. A row's bits must not depend on how many rows share the product (batch
+invariance): MKL's differ below 8 rows, oneDNN's only at 1 row, which `linear` avoids.
 Elsewhere (CUDA, fp16, a torch build without the op) weights stay plain tensors and
 `linear` is `F.linear`.
 """

@@ -32,7 +32,7 @@ inline void prefetch_row(const T* row, int64_t count) {
 }
 // The same into L2 only: for blocks needed after the current pass (this sequence's V while its
 // K is scored, the next sequence's K while this one's V is weighed), so the memory system
-// stays busy across passes. 13% faster over randomly placed blocks, no change when in order.
+// stays busy across passes. 12% faster over randomly placed blocks, no change when in order.
 template <typename T>
 inline void prefetch_l2(const T* row, int64_t count) {
   const char* p = reinterpret_cast<const char*>(row);
