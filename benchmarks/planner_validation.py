@@ -21,7 +21,11 @@
    nothing about it); the discarded runs stay in the results; report each point's
    mean and spread and pass/fail against the targets: every point within 10 pp, and
    layouts ranked as measured wherever their measured goodputs differ by more than 10%;
-   with each run's steps' measured/predicted time, per kind, against both profiles;
+   at the SLOs `--ttft-slo`/`--tpot-slo` and at each pair of `--also-slos`, judged on the
+   same runs from every request's measured and simulated (TTFT, TPOT), which the results
+   keep (one SLO pair where every point meets it says little: a tight TPOT is where a
+   colocated engine's prompt chunks cost its decodes, DistServe's case); with each run's
+   steps' measured/predicted time, per kind, against both profiles;
 5. report how far the autoscaler's observed/predicted correction would move on each
    disaggregated point (five decisions on the measured percentiles).
 
@@ -59,10 +63,28 @@ def run_profile(out: Path, cores: str, threads: int, model: str, repeats: int) -
                     "--out", str(out), "--repeats", str(repeats)], check=True, env=env, cwd=ROOT)
 
 
-def measured_attainment(results: list[dict], ttft_slo: float, tpot_slo: float) -> float:
-    ok = [r for r in results if r["error"] is None and r["ttft_s"] is not None and r["ttft_s"] <= ttft_slo
-          and (r["tpot_s"] is None or r["tpot_s"] <= tpot_slo)]
-    return len(ok) / len(results)
+def measured_latencies(results: list[dict]) -> list[tuple[float | None, float | None]]:
+    """(TTFT, TPOT) of each replayed request; TTFT None for a request that failed."""
+    return [(None, None) if r["error"] is not None else (r["ttft_s"], r["tpot_s"]) for r in results]
+
+
+def rounded(latencies: list) -> list:
+    """(TTFT, TPOT) pairs to 0.1 ms and 10 us, for the results file."""
+    return [(None if t is None else round(t, 4), None if p is None else round(p, 5)) for t, p in latencies]
+
+
+def slo_name(slo) -> str:
+    return f"ttft {slo.ttft_s:g}s, tpot {1000 * slo.tpot_s:g}ms"
+
+
+def parse_slos(text: str, percentile: float) -> list:
+    """"4:0.04,1:0.2" -> SLOs (TTFT seconds : TPOT seconds, at `percentile`)."""
+    from cluster.planner.search import SLO
+
+    try:
+        return [SLO(float(t), float(p), percentile) for t, p in (pair.split(":") for pair in text.split(",") if pair)]
+    except ValueError as exc:
+        raise SystemExit(f"--also-slos: expected TTFT:TPOT pairs in seconds, e.g. 4:0.04,1:0.2 ({exc})") from exc
 
 
 def machine_probe() -> float:
@@ -170,28 +192,35 @@ def correction_path(profile, slo, runs: list[dict], local: int, rounds: int = 5)
     return {"observed_ttft_p": observed["ttft_p"], "observed_tpot_p": observed["tpot_p"], "after_each": path}
 
 
-def summarize(point: dict) -> None:
+def summarize(point: dict, slo) -> dict:
+    """A point's attainment at `slo` over its runs: predicted (calibrated and engine-only
+    profiles) and measured mean, spread, difference and pass; goodputs in requests/s."""
+    from cluster.planner.simulator import attainment
+
     runs = point["runs"]
-    measured = [r["measured_attainment"] for r in runs]
-    point["predicted_attainment"] = statistics.mean(r["predicted"]["attainment"] for r in runs)
-    point["predicted_engine_only"] = statistics.mean(r["predicted_engine_only"]["attainment"] for r in runs)
-    point["requests"] = statistics.mean(r["requests"] for r in runs)
-    point["span_s"] = statistics.mean(r["span_s"] for r in runs)
-    point["measured_mean"] = statistics.mean(measured)
-    point["measured_min"], point["measured_max"] = min(measured), max(measured)
-    point["measured_stdev"] = statistics.stdev(measured) if len(measured) > 1 else 0.0
-    point["difference_pp"] = 100 * (point["measured_mean"] - point["predicted_attainment"])
-    point["pass"] = abs(point["difference_pp"]) <= TOLERANCE_PP
-    point["measured_goodput_per_s"] = point["measured_mean"] * point["requests"] / point["span_s"]
-    point["predicted_goodput_per_s"] = point["predicted_attainment"] * point["requests"] / point["span_s"]
+    measured = [attainment(r["latencies"]["measured"], slo.ttft_s, slo.tpot_s) for r in runs]
+    out = {"predicted_attainment": statistics.mean(
+               attainment(r["latencies"]["predicted"], slo.ttft_s, slo.tpot_s) for r in runs),
+           "predicted_engine_only": statistics.mean(
+               attainment(r["latencies"]["predicted_engine_only"], slo.ttft_s, slo.tpot_s) for r in runs),
+           "measured_runs": measured, "measured_mean": statistics.mean(measured),
+           "measured_min": min(measured), "measured_max": max(measured),
+           "measured_stdev": statistics.stdev(measured) if len(measured) > 1 else 0.0}
+    out["difference_pp"] = 100 * (out["measured_mean"] - out["predicted_attainment"])
+    out["pass"] = abs(out["difference_pp"]) <= TOLERANCE_PP
+    per_s = point["requests"] / point["span_s"]
+    out["measured_goodput_per_s"] = out["measured_mean"] * per_s
+    out["predicted_goodput_per_s"] = out["predicted_attainment"] * per_s
+    out["predicted_engine_only_goodput_per_s"] = out["predicted_engine_only"] * per_s
+    return out
 
 
-def ranking(points: dict) -> dict:
-    """Interference: does the planner rank the layouts as the system did?"""
-    dis, col = points["interference/disaggregated"], points["interference/colocated"]
+def ranking(points: dict, name: str) -> dict:
+    """Interference at the SLOs `name`: does the planner rank the layouts as the system did?"""
+    dis, col = (points[p]["by_slo"][name] for p in ("interference/disaggregated", "interference/colocated"))
     measured = (dis["measured_goodput_per_s"], col["measured_goodput_per_s"])
     predicted = (dis["predicted_goodput_per_s"], col["predicted_goodput_per_s"])
-    engine_only = tuple(p["predicted_engine_only"] * p["requests"] / p["span_s"] for p in (dis, col))
+    engine_only = (dis["predicted_engine_only_goodput_per_s"], col["predicted_engine_only_goodput_per_s"])
     differ = abs(measured[0] - measured[1]) > RANKING_MARGIN * max(measured)
     same = (measured[0] >= measured[1]) == (predicted[0] >= predicted[1])
     return {"measured_disaggregated_vs_colocated": measured, "predicted_disaggregated_vs_colocated": predicted,
@@ -200,22 +229,26 @@ def ranking(points: dict) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    points = result["points"]
+    """One panel per SLO pair: predicted (both profiles) and measured attainment per point."""
+    points, slos = result["points"], result["slos"]
     names = list(points)
-    with panels(path, 1, width=8.0) as (ax,):
-        xs = range(len(names))
-        ax.bar([x - 0.27 for x in xs], [100 * points[n]["predicted_engine_only"] for n in names], 0.27,
-               label="predicted, engine-only profile", color="lightgray")
-        ax.bar(list(xs), [100 * points[n]["predicted_attainment"] for n in names], 0.27,
-               label="predicted, serving-calibrated")
-        ax.bar([x + 0.27 for x in xs], [100 * points[n]["measured_mean"] for n in names], 0.27, label="measured (mean)",
-               yerr=[[100 * (points[n]["measured_mean"] - points[n]["measured_min"]) for n in names],
-                     [100 * (points[n]["measured_max"] - points[n]["measured_mean"]) for n in names]])
-        ax.set_xticks(list(xs), [n.replace("/", "\n") for n in names], fontsize=7)
-        ax.set_ylabel("SLO attainment (%)")
-        ax.set_title(f"planner validation ({result['repeats']} repeats; bars: min..max)")
-        ax.set_ylim(0, 125)
-        ax.legend(fontsize=7, loc="upper center", ncol=3)
+    with panels(path, len(slos), width=8.0) as axes:
+        for ax, slo in zip(axes, slos, strict=True):
+            at = {n: points[n]["by_slo"][slo] for n in names}
+            xs = range(len(names))
+            ax.bar([x - 0.27 for x in xs], [100 * at[n]["predicted_engine_only"] for n in names], 0.27,
+                   label="predicted, engine-only profile", color="lightgray")
+            ax.bar(list(xs), [100 * at[n]["predicted_attainment"] for n in names], 0.27,
+                   label="predicted, serving-calibrated")
+            ax.bar([x + 0.27 for x in xs], [100 * at[n]["measured_mean"] for n in names], 0.27,
+                   label="measured (mean)",
+                   yerr=[[100 * (at[n]["measured_mean"] - at[n]["measured_min"]) for n in names],
+                         [100 * (at[n]["measured_max"] - at[n]["measured_mean"]) for n in names]])
+            ax.set_xticks(list(xs), [n.replace("/", "\n") for n in names], fontsize=7)
+            ax.set_ylabel("SLO attainment (%)")
+            ax.set_title(f"{slo} ({result['repeats']} repeats; bars: min..max)", fontsize=9)
+            ax.set_ylim(0, 125)
+            ax.legend(fontsize=7, loc="upper center", ncol=3)
 
 
 def main() -> None:
@@ -223,6 +256,11 @@ def main() -> None:
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
     parser.add_argument("--ttft-slo", type=float, default=4.0)
     parser.add_argument("--tpot-slo", type=float, default=0.2)
+    parser.add_argument("--also-slos", default="4:0.04,1:0.2",
+                        help="more TTFT:TPOT pairs (seconds) at which the same runs are judged; the default's "
+                             "40 ms TPOT lies between a lone decode worker's steps and a colocated engine's "
+                             "with prompt chunks mixed in (where the layouts part), 1 s TTFT below the long "
+                             "prompts' prefill")
     parser.add_argument("--requests", type=int, default=40, help="requests of the online trace per rate")
     parser.add_argument("--repeats", type=int, default=3, help="replays of every point")
     parser.add_argument("--profile-repeats", type=int, default=3)
@@ -236,7 +274,8 @@ def main() -> None:
     from benchmarks.prefix_reuse import local_ray, workload_rows
     from cluster.config import ServeConfig
     from cluster.planner.calibrate import calibrate
-    from cluster.planner.search import SLO, lengths_of, phase_curve, predict
+    from cluster.planner.search import SLO, lengths_of, phase_curve
+    from cluster.planner.simulator import attainment, simulate
     from cluster.planner.workload import load_trace, rescale
     from engine.model_source import resolve_model
     from engine.profile import Profile
@@ -252,6 +291,7 @@ def main() -> None:
         run_profile(two_cores, "0,1", 2, model_dir, args.profile_repeats)
     engine_only = {"disaggregated": Profile.load(one_core), "colocated": Profile.load(two_cores)}
     slo = SLO(args.ttft_slo, args.tpot_slo)
+    slos = [slo, *parse_slos(args.also_slos, slo.percentile)]
     local = ServeConfig().local_prefill_max_tokens  # what the decode workers will do
     layouts = {"disaggregated": {"prefill.replicas": 1, "decode.replicas": 1, "prefill.cpu_affinity": [0],
                                  "decode.cpu_affinity": [1]},
@@ -263,16 +303,18 @@ def main() -> None:
         return (phase_curve(profile, lengths, "prefill", local_prefill_max_tokens=local).capacity(slo, True, False),
                 phase_curve(profile, lengths, "decode", local_prefill_max_tokens=local).capacity(slo, False, True))
 
-    def prediction(profile, layout: str, work) -> dict:
+    def prediction(profile, layout: str, work) -> list:
+        """Simulated (TTFT, TPOT) of every request of `work` in `layout`."""
         if layout == "colocated":
-            return predict(profile, slo, work, 0, 1, True)
-        return predict(profile, slo, work, 1, 1, False, local)
+            return simulate(profile, work, 0, 1, True).requests()
+        return simulate(profile, work, 1, 1, False, local).requests()
 
     step_dir = Path(tempfile.mkdtemp(prefix="pdserve-steps-"))
     os.environ[STEP_LOG_ENV] = str(step_dir)  # the workers inherit it from the Ray node
     points: dict[str, dict] = {}
     result = {"slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "percentile": slo.percentile},
-              "local_prefill_max_tokens": local, "repeats": args.repeats, "points": points}
+              "slos": [slo_name(s) for s in slos], "local_prefill_max_tokens": local, "repeats": args.repeats,
+              "points": points}
     with local_ray(4):
         # serving calibration: online-poisson requests 100-159 (none of them replayed below)
         # at the engine-only 1P+1D capacity, once per layout
@@ -318,26 +360,31 @@ def main() -> None:
                     if not disturbed or attempt == MAX_RERUNS:
                         break
                     point.setdefault("disturbed_runs", []).append(
-                        {"measured_attainment": measured_attainment(measured, slo.ttft_s, slo.tpot_s),
+                        {"measured_attainment": attainment(measured_latencies(measured), slo.ttft_s, slo.tpot_s),
                          "probe_s": probe, "fastest_probe_s": fastest_probe})
                     print(f"  machine slow around this run (probe {max(probe):.3f}s, fastest {fastest_probe:.3f}s): "
                           f"measured {point['disturbed_runs'][-1]['measured_attainment']:.0%}, re-running", flush=True)
                 work = point["work"] or observed_work(measured)
                 steps = [s for s in read_step_logs(step_dir) if start <= s["t"] <= end]
-                run = {"predicted": prediction(profiles[layout], layout, work),
-                       "predicted_engine_only": prediction(engine_only[layout], layout, work),
-                       "measured_attainment": measured_attainment(measured, slo.ttft_s, slo.tpot_s),
+                latencies = {"measured": rounded(measured_latencies(measured)),
+                             "predicted": rounded(prediction(profiles[layout], layout, work)),
+                             "predicted_engine_only": rounded(prediction(engine_only[layout], layout, work))}
+                run = {"latencies": latencies,
+                       "attainment": {name: attainment(lat, slo.ttft_s, slo.tpot_s)
+                                      for name, lat in latencies.items()},
                        "requests": len(measured), "span_s": work[-1].arrival_s - work[0].arrival_s,
                        "errors": sum(r["error"] is not None for r in measured), "results": measured, "work": work,
                        "steps_vs_engine_only": step_errors(steps, engine_only[layout]),
                        "steps_vs_calibrated": step_errors(steps, profiles[layout]),
                        "probe_s": probe, "machine_disturbed": disturbed}
                 point["runs"].append(run)
-                print(f"  predicted {run['predicted']['attainment']:.0%} "
-                      f"(engine-only profile {run['predicted_engine_only']['attainment']:.0%}), "
-                      f"measured {run['measured_attainment']:.0%}", flush=True)
+                print(f"  predicted {run['attainment']['predicted']:.0%} "
+                      f"(engine-only profile {run['attainment']['predicted_engine_only']:.0%}), "
+                      f"measured {run['attainment']['measured']:.0%}", flush=True)
     for point in points.values():
-        summarize(point)
+        point["requests"] = statistics.mean(r["requests"] for r in point["runs"])
+        point["span_s"] = statistics.mean(r["span_s"] for r in point["runs"])
+        point["by_slo"] = {slo_name(s): summarize(point, s) for s in slos}
         if point["layout"] == "disaggregated":
             point["autoscaler_correction"] = correction_path(profiles["disaggregated"], slo, point["runs"], local)
         for run in point["runs"]:
@@ -345,20 +392,25 @@ def main() -> None:
         for key in ("work", "drive"):
             del point[key]
     if {"interference/disaggregated", "interference/colocated"} <= set(points):
-        result["ranking"] = ranking(points)
-    result["pass"] = all(p["pass"] for p in points.values()) and result.get("ranking", {}).get("pass", True)
+        result["ranking"] = {slo_name(s): ranking(points, slo_name(s)) for s in slos}
+    result["pass"] = (all(p["by_slo"][slo_name(s)]["pass"] for p in points.values() for s in slos)
+                      and all(r["pass"] for r in result.get("ranking", {}).values()))
     write(result, args.out, plot)
-    print(f"{'point':28} {'predicted':>9} {'engine-only':>11} {'measured mean':>13} {'min..max':>11} {'diff':>8}  pass")
-    for name, p in points.items():
-        print(f"{name:28} {p['predicted_attainment']:>9.0%} {p['predicted_engine_only']:>11.0%} "
-              f"{p['measured_mean']:>13.0%} {p['measured_min']:>5.0%}..{p['measured_max']:<4.0%} "
-              f"{p['difference_pp']:>+7.1f}pp  {p['pass']}")
+    for s in slos:
+        print(f"at {slo_name(s)} (p{s.percentile:g}):")
+        print(f"{'point':28} {'predicted':>9} {'engine-only':>11} {'measured mean':>13} {'min..max':>11} "
+              f"{'diff':>8}  pass")
+        for name, p in points.items():
+            a = p["by_slo"][slo_name(s)]
+            print(f"{name:28} {a['predicted_attainment']:>9.0%} {a['predicted_engine_only']:>11.0%} "
+                  f"{a['measured_mean']:>13.0%} {a['measured_min']:>5.0%}..{a['measured_max']:<4.0%} "
+                  f"{a['difference_pp']:>+7.1f}pp  {a['pass']}")
     for name, p in points.items():
         for run in p.get("disturbed_runs", []):
             print(f"{name}: a run re-run for a slow machine (probe {max(run['probe_s']):.3f}s, fastest "
                   f"{run['fastest_probe_s']:.3f}s) had measured {run['measured_attainment']:.0%}")
-    if "ranking" in result:
-        print(f"layout ranking: {result['ranking']}")
+    for name, r in result.get("ranking", {}).items():
+        print(f"layout ranking at {name}: {r}")
     print("PASS" if result["pass"] else "FAIL")
 
 

@@ -42,10 +42,20 @@ class SimResult:
 
     def attainment(self, ttft_slo: float, tpot_slo: float) -> float:
         """Fraction of requests meeting both SLOs."""
-        ok = [t <= ttft_slo and (p is None or p <= tpot_slo) for t, p in zip(self.ttft_s, self._tpot_all, strict=True)]
-        return sum(ok) / len(ok) if ok else 1.0
+        return attainment(self.requests(), ttft_slo, tpot_slo)
+
+    def requests(self) -> list[tuple[float, float | None]]:
+        """(TTFT, TPOT) of every request in finishing order; TPOT None for one output token."""
+        return list(zip(self.ttft_s, self._tpot_all, strict=True))
 
     _tpot_all: list = field(default_factory=list, repr=False)
+
+
+def attainment(latencies: list[tuple[float | None, float | None]], ttft_slo: float, tpot_slo: float) -> float:
+    """Fraction of requests, given as (TTFT, TPOT), meeting both SLOs. A TTFT of None is a
+    request that failed (it misses); a TPOT of None one with a single output token."""
+    ok = [t is not None and t <= ttft_slo and (p is None or p <= tpot_slo) for t, p in latencies]
+    return sum(ok) / len(ok) if ok else 1.0
 
 
 @dataclass

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from cluster.autoscaler import Autoscaler
 from cluster.planner.search import SLO, make_plan, phase_curve
-from cluster.planner.simulator import simulate
+from cluster.planner.simulator import attainment, simulate
 from cluster.planner.workload import SimRequest, load_trace, poisson
 from engine.profile import Profile, fit_colocated, fit_decode, fit_prefill
 
@@ -40,6 +40,22 @@ def test_one_request_costs_exactly_its_steps(budget, ttft):
     result = simulate(profile, [SimRequest(0.0, 300, 5)], prefill=1, decode=1)
     assert result.ttft_s == [pytest.approx(ttft)]
     assert result.tpot_s == [pytest.approx(0.015025)]
+
+
+def test_attainment_counts_failed_requests_as_misses_and_one_token_ones_by_ttft():
+    latencies = [(0.5, 0.01), (0.5, 0.03), (2.0, 0.01), (None, None), (0.5, None)]
+    assert attainment(latencies, 1.0, 0.02) == pytest.approx(2 / 5)  # the 1st and the one-token 5th
+    assert attainment(latencies, 3.0, 0.05) == pytest.approx(4 / 5)  # all but the failed one
+    assert attainment([], 1.0, 0.02) == 1.0
+
+
+def test_simulated_requests_pair_each_ttft_with_its_own_tpot():
+    """Two requests, one of a single token: requests() carries each one's (TTFT, TPOT), and
+    attainment over it is the simulator's own."""
+    profile = Profile("hand", (0.1, 0.001, 0.0), (0.01, 0.002, 1e-5), 1000, 1e6, max_num_batched_tokens=512)
+    result = simulate(profile, [SimRequest(0.0, 300, 1), SimRequest(5.0, 300, 5)], prefill=1, decode=1)
+    assert result.requests() == [(pytest.approx(0.7), None), (pytest.approx(0.7), pytest.approx(0.015025))]
+    assert result.attainment(0.8, 0.015) == attainment(result.requests(), 0.8, 0.015) == 0.5
 
 
 def test_long_prompts_stall_colocated_decoding():
