@@ -4,10 +4,16 @@
    to both cores (a colocated engine): prefill, decode and mixed steps (`pdserve profile`);
 2. calibrate each profile to serving (cluster.planner.calibrate): replay online-poisson
    requests 100-159 through the real service in each layout with step logging on
-   (engine.step_log), and scale each kind of step by its median measured/predicted time;
+   (engine.step_log), `--settle-runs` times discarded (serving ran slower in the first
+   minutes after start) and then `--calibration-periods` times, the layouts interleaved;
+   each period scales each kind of step by its median measured/predicted time, and so does
+   the pool of all periods;
 3. predict SLO attainment with the simulator under the serving configuration's own
    policies (a decode worker prefills a prompt of at most `local_prefill_max_tokens`
-   itself), with the calibrated and with the engine-only profiles: online-poisson (its
+   itself): the prediction judged is the mean attainment over the per-period models (the
+   expectation over this machine's measured speed spread, which a point whose SLO cuts
+   through its latency distribution is steeply sensitive to), with the pooled calibration's
+   and the engine-only profile's beside it: online-poisson (its
    first `--requests`) at 0.7x, 1.0x and 1.3x the planner's 1P+1D capacity, the
    interference workload in both layouts (1P+1D on a core each; colocated on both), and
    multi-turn-chat (closed-loop chat clients; predicted from the arrivals, lengths and
@@ -25,7 +31,9 @@
    same runs from every request's measured and simulated (TTFT, TPOT), which the results
    keep (one SLO pair where every point meets it says little: a tight TPOT is where a
    colocated engine's prompt chunks cost its decodes, DistServe's case); with each run's
-   steps' measured/predicted time, per kind, against both profiles;
+   steps' measured/predicted time, per kind, against both profiles, the share of CPU time
+   the hypervisor gave to other guests during the run (steal, /proc/stat), and the
+   workload it offered;
 5. report how far the autoscaler's observed/predicted correction would move on each
    disaggregated point (five decisions on the measured percentiles).
 
@@ -71,6 +79,40 @@ def measured_latencies(results: list[dict]) -> list[tuple[float | None, float | 
 def rounded(latencies: list) -> list:
     """(TTFT, TPOT) pairs to 0.1 ms and 10 us, for the results file."""
     return [(None if t is None else round(t, 4), None if p is None else round(p, 5)) for t, p in latencies]
+
+
+def predicted_attainment(latencies: dict, slo) -> float:
+    """The prediction judged: the mean attainment over the per-period calibrated models (the
+    expectation over the machine's measured speed spread; cluster.planner.calibrate_periods)."""
+    from cluster.planner.simulator import attainment
+
+    return statistics.mean(attainment(lat, slo.ttft_s, slo.tpot_s) for lat in latencies["predicted_by_period"])
+
+
+def run_attainment(latencies: dict, slo) -> dict:
+    """A run's attainment at `slo`: measured, predicted, and under the pooled and engine-only models."""
+    from cluster.planner.simulator import attainment
+
+    return {"measured": attainment(latencies["measured"], slo.ttft_s, slo.tpot_s),
+            "predicted": predicted_attainment(latencies, slo),
+            **{name: attainment(latencies[name], slo.ttft_s, slo.tpot_s)
+               for name in ("predicted_pooled", "predicted_engine_only")}}
+
+
+def cpu_times() -> tuple[int, int] | None:
+    """(steal, total) jiffies of all CPUs since boot, from /proc/stat; None where there is none."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return fields[7] if len(fields) > 7 else 0, sum(fields[:8])
+
+
+def steal_fraction(before, after) -> float:
+    """Share of CPU time the hypervisor gave to other guests between two cpu_times() (0 unknown)."""
+    if before is None or after is None or after[1] <= before[1]:
+        return 0.0
+    return (after[0] - before[0]) / (after[1] - before[1])
 
 
 def slo_name(slo) -> str:
@@ -193,16 +235,14 @@ def correction_path(profile, slo, runs: list[dict], local: int, rounds: int = 5)
 
 
 def summarize(point: dict, slo) -> dict:
-    """A point's attainment at `slo` over its runs: predicted (calibrated and engine-only
-    profiles) and measured mean, spread, difference and pass; goodputs in requests/s."""
-    from cluster.planner.simulator import attainment
-
-    runs = point["runs"]
-    measured = [attainment(r["latencies"]["measured"], slo.ttft_s, slo.tpot_s) for r in runs]
-    out = {"predicted_attainment": statistics.mean(
-               attainment(r["latencies"]["predicted"], slo.ttft_s, slo.tpot_s) for r in runs),
-           "predicted_engine_only": statistics.mean(
-               attainment(r["latencies"]["predicted_engine_only"], slo.ttft_s, slo.tpot_s) for r in runs),
+    """A point's attainment at `slo` over its runs: predicted (the expectation over the
+    per-period calibrations; the pooled calibration and the engine-only profile beside it)
+    and measured mean, spread, difference and pass; goodputs in requests/s."""
+    each = [run_attainment(r["latencies"], slo) for r in point["runs"]]
+    measured = [a["measured"] for a in each]
+    out = {"predicted_attainment": statistics.mean(a["predicted"] for a in each),
+           "predicted_pooled": statistics.mean(a["predicted_pooled"] for a in each),
+           "predicted_engine_only": statistics.mean(a["predicted_engine_only"] for a in each),
            "measured_runs": measured, "measured_mean": statistics.mean(measured),
            "measured_min": min(measured), "measured_max": max(measured),
            "measured_stdev": statistics.stdev(measured) if len(measured) > 1 else 0.0}
@@ -211,6 +251,7 @@ def summarize(point: dict, slo) -> dict:
     per_s = point["requests"] / point["span_s"]
     out["measured_goodput_per_s"] = out["measured_mean"] * per_s
     out["predicted_goodput_per_s"] = out["predicted_attainment"] * per_s
+    out["predicted_pooled_goodput_per_s"] = out["predicted_pooled"] * per_s
     out["predicted_engine_only_goodput_per_s"] = out["predicted_engine_only"] * per_s
     return out
 
@@ -220,11 +261,13 @@ def ranking(points: dict, name: str) -> dict:
     dis, col = (points[p]["by_slo"][name] for p in ("interference/disaggregated", "interference/colocated"))
     measured = (dis["measured_goodput_per_s"], col["measured_goodput_per_s"])
     predicted = (dis["predicted_goodput_per_s"], col["predicted_goodput_per_s"])
+    pooled = (dis["predicted_pooled_goodput_per_s"], col["predicted_pooled_goodput_per_s"])
     engine_only = (dis["predicted_engine_only_goodput_per_s"], col["predicted_engine_only_goodput_per_s"])
     differ = abs(measured[0] - measured[1]) > RANKING_MARGIN * max(measured)
     same = (measured[0] >= measured[1]) == (predicted[0] >= predicted[1])
     return {"measured_disaggregated_vs_colocated": measured, "predicted_disaggregated_vs_colocated": predicted,
-            "predicted_engine_only": engine_only, "measured_differ_by_more_than_10pct": differ,
+            "predicted_pooled": pooled, "predicted_engine_only": engine_only,
+            "measured_differ_by_more_than_10pct": differ,
             "pass": same or not differ}
 
 
@@ -239,7 +282,7 @@ def plot(result: dict, path: Path) -> None:
             ax.bar([x - 0.27 for x in xs], [100 * at[n]["predicted_engine_only"] for n in names], 0.27,
                    label="predicted, engine-only profile", color="lightgray")
             ax.bar(list(xs), [100 * at[n]["predicted_attainment"] for n in names], 0.27,
-                   label="predicted, serving-calibrated")
+                   label="predicted (calibrated, mean over periods)")
             ax.bar([x + 0.27 for x in xs], [100 * at[n]["measured_mean"] for n in names], 0.27,
                    label="measured (mean)",
                    yerr=[[100 * (at[n]["measured_mean"] - at[n]["measured_min"]) for n in names],
@@ -264,6 +307,12 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=40, help="requests of the online trace per rate")
     parser.add_argument("--repeats", type=int, default=3, help="replays of every point")
     parser.add_argument("--profile-repeats", type=int, default=3)
+    parser.add_argument("--settle-runs", type=int, default=2,
+                        help="calibration replays per layout run first and discarded (measured: serving steps ran "
+                             "1.2-1.4x slower in the first minutes after start than later)")
+    parser.add_argument("--calibration-periods", type=int, default=3,
+                        help="calibration replays per layout after settling, interleaved; each is one period of "
+                             "the speed spread the prediction averages over (cluster.planner.calibrate_periods)")
     parser.add_argument("--reuse-profiles", action="store_true", help="use the profiles already in the results dir")
     parser.add_argument("--points", default="online,interference,chat", help="which workloads to replay")
     parser.add_argument("--chat-sessions", type=int, default=16, help="multi-turn-chat sessions (4 turns each)")
@@ -273,7 +322,7 @@ def main() -> None:
 
     from benchmarks.prefix_reuse import local_ray, workload_rows
     from cluster.config import ServeConfig
-    from cluster.planner.calibrate import calibrate
+    from cluster.planner.calibrate import calibrate_periods
     from cluster.planner.search import SLO, lengths_of, phase_curve
     from cluster.planner.simulator import attainment, simulate
     from cluster.planner.workload import load_trace, rescale
@@ -304,10 +353,10 @@ def main() -> None:
                 phase_curve(profile, lengths, "decode", local_prefill_max_tokens=local).capacity(slo, False, True))
 
     def prediction(profile, layout: str, work) -> list:
-        """Simulated (TTFT, TPOT) of every request of `work` in `layout`."""
+        """Simulated (TTFT, TPOT) of every request of `work` in `layout`, rounded."""
         if layout == "colocated":
-            return simulate(profile, work, 0, 1, True).requests()
-        return simulate(profile, work, 1, 1, False, local).requests()
+            return rounded(simulate(profile, work, 0, 1, True).requests())
+        return rounded(simulate(profile, work, 1, 1, False, local).requests())
 
     step_dir = Path(tempfile.mkdtemp(prefix="pdserve-steps-"))
     os.environ[STEP_LOG_ENV] = str(step_dir)  # the workers inherit it from the Ray node
@@ -317,17 +366,35 @@ def main() -> None:
               "points": points}
     with local_ray(4):
         # serving calibration: online-poisson requests 100-159 (none of them replayed below)
-        # at the engine-only 1P+1D capacity, once per layout
+        # at the engine-only 1P+1D capacity: --settle-runs replays per layout discarded, then
+        # --calibration-periods per layout, the layouts interleaved
         calibration_work = rescale(online, min(capacity_1p1d(engine_only["disaggregated"])))[100:160]
-        profiles, result["calibration"] = {}, {}
-        for layout, overrides in layouts.items():
-            print(f"calibration: {layout}, {len(calibration_work)} requests ...", flush=True)
-            _, start, end = serve_and_drive(args.model, overrides,
-                                            trace_driver(args.model, to_replay(calibration_work)), args.port)
-            steps = [s for s in read_step_logs(step_dir) if start <= s["t"] <= end]
-            profiles[layout] = calibrate(engine_only[layout], steps)
-            result["calibration"][layout] = profiles[layout].samples["serving_calibration"]
-            print(f"  {result['calibration'][layout]}", flush=True)
+        periods: dict[str, list] = {layout: [] for layout in layouts}
+        result["calibration"] = {layout: {"settle": [], "periods": []} for layout in layouts}
+        for period in range(args.settle_runs + args.calibration_periods):
+            settling = period < args.settle_runs
+            for layout, overrides in layouts.items():
+                print(f"calibration {'(settling) ' if settling else ''}{period + 1}: {layout}, "
+                      f"{len(calibration_work)} requests ...", flush=True)
+                cpu = cpu_times()
+                _, start, end = serve_and_drive(args.model, overrides,
+                                                trace_driver(args.model, to_replay(calibration_work)), args.port)
+                steps = [s for s in read_step_logs(step_dir) if start <= s["t"] <= end]
+                record = {"steps_vs_engine_only": step_errors(steps, engine_only[layout]),
+                          "steal": steal_fraction(cpu, cpu_times())}
+                result["calibration"][layout]["settle" if settling else "periods"].append(record)
+                if not settling:
+                    periods[layout].append(steps)
+                print(f"  decode steps {record['steps_vs_engine_only'].get('decode', {}).get('median_ratio', 0):.2f}x "
+                      f"the engine-only model, CPU steal {record['steal']:.1%}", flush=True)
+        profiles, variants = {}, {}
+        for layout in layouts:
+            profiles[layout], variants[layout] = calibrate_periods(engine_only[layout], periods[layout])
+            result["calibration"][layout].update(pooled=profiles[layout].samples["serving_calibration"],
+                                                 by_period=[v.samples["serving_calibration"]["factors"]
+                                                            for v in variants[layout]])
+            print(f"calibration, {layout}: pooled {result['calibration'][layout]['pooled']['factors']}, by period "
+                  f"{result['calibration'][layout]['by_period']}", flush=True)
 
         if "online" in args.points:
             cap_p, cap_d = capacity_1p1d(profiles["disaggregated"])
@@ -353,7 +420,9 @@ def main() -> None:
                 layout = point["layout"]
                 for attempt in range(MAX_RERUNS + 1):
                     before = machine_probe()
+                    cpu = cpu_times()
                     measured, start, end = serve_and_drive(args.model, layouts[layout], point["drive"], args.port)
+                    steal = steal_fraction(cpu, cpu_times())
                     probe = (before, machine_probe())
                     fastest_probe = min(fastest_probe, *probe)
                     disturbed = max(probe) > PROBE_SLOWDOWN * fastest_probe
@@ -367,20 +436,20 @@ def main() -> None:
                 work = point["work"] or observed_work(measured)
                 steps = [s for s in read_step_logs(step_dir) if start <= s["t"] <= end]
                 latencies = {"measured": rounded(measured_latencies(measured)),
-                             "predicted": rounded(prediction(profiles[layout], layout, work)),
-                             "predicted_engine_only": rounded(prediction(engine_only[layout], layout, work))}
-                run = {"latencies": latencies,
-                       "attainment": {name: attainment(lat, slo.ttft_s, slo.tpot_s)
-                                      for name, lat in latencies.items()},
+                             "predicted_pooled": prediction(profiles[layout], layout, work),
+                             "predicted_engine_only": prediction(engine_only[layout], layout, work),
+                             "predicted_by_period": [prediction(v, layout, work) for v in variants[layout]]}
+                run = {"latencies": latencies, "attainment": run_attainment(latencies, slo),
                        "requests": len(measured), "span_s": work[-1].arrival_s - work[0].arrival_s,
                        "errors": sum(r["error"] is not None for r in measured), "results": measured, "work": work,
                        "steps_vs_engine_only": step_errors(steps, engine_only[layout]),
                        "steps_vs_calibrated": step_errors(steps, profiles[layout]),
-                       "probe_s": probe, "machine_disturbed": disturbed}
+                       "probe_s": probe, "machine_disturbed": disturbed, "steal": steal}
                 point["runs"].append(run)
                 print(f"  predicted {run['attainment']['predicted']:.0%} "
-                      f"(engine-only profile {run['attainment']['predicted_engine_only']:.0%}), "
-                      f"measured {run['attainment']['measured']:.0%}", flush=True)
+                      f"(pooled calibration {run['attainment']['predicted_pooled']:.0%}, "
+                      f"engine-only profile {run['attainment']['predicted_engine_only']:.0%}), "
+                      f"measured {run['attainment']['measured']:.0%}, CPU steal {steal:.1%}", flush=True)
     for point in points.values():
         point["requests"] = statistics.mean(r["requests"] for r in point["runs"])
         point["span_s"] = statistics.mean(r["span_s"] for r in point["runs"])
@@ -388,7 +457,8 @@ def main() -> None:
         if point["layout"] == "disaggregated":
             point["autoscaler_correction"] = correction_path(profiles["disaggregated"], slo, point["runs"], local)
         for run in point["runs"]:
-            del run["results"], run["work"]
+            run["work"] = [[round(r.arrival_s, 4), r.prompt_len, r.output_len, r.cached_len] for r in run["work"]]
+            del run["results"]
         for key in ("work", "drive"):
             del point[key]
     if {"interference/disaggregated", "interference/colocated"} <= set(points):
@@ -398,11 +468,12 @@ def main() -> None:
     write(result, args.out, plot)
     for s in slos:
         print(f"at {slo_name(s)} (p{s.percentile:g}):")
-        print(f"{'point':28} {'predicted':>9} {'engine-only':>11} {'measured mean':>13} {'min..max':>11} "
-              f"{'diff':>8}  pass")
+        print(f"{'point':28} {'predicted':>9} {'pooled':>6} {'engine-only':>11} {'measured mean':>13} "
+              f"{'min..max':>11} {'diff':>8}  pass")
         for name, p in points.items():
             a = p["by_slo"][slo_name(s)]
-            print(f"{name:28} {a['predicted_attainment']:>9.0%} {a['predicted_engine_only']:>11.0%} "
+            print(f"{name:28} {a['predicted_attainment']:>9.0%} {a['predicted_pooled']:>6.0%} "
+                  f"{a['predicted_engine_only']:>11.0%} "
                   f"{a['measured_mean']:>13.0%} {a['measured_min']:>5.0%}..{a['measured_max']:<4.0%} "
                   f"{a['difference_pp']:>+7.1f}pp  {a['pass']}")
     for name, p in points.items():
