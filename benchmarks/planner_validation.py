@@ -33,7 +33,10 @@
    colocated engine's prompt chunks cost its decodes, DistServe's case); with each run's
    steps' measured/predicted time, per kind, against both profiles, the share of CPU time
    the hypervisor gave to other guests during the run (steal, /proc/stat), and the
-   workload it offered;
+   workload it offered; beside the predictions, a diagnostic that is not one: each run
+   simulated with the profile calibrated on that run's own steps ("own_speed"), which
+   shows how much of a miss is the machine's speed moving between calibration and run
+   (benchmarks/planner_sensitivity.py: how much attainment a few percent of speed moves);
 5. report how far the autoscaler's observed/predicted correction would move on each
    disaggregated point (five decisions on the measured percentiles).
 
@@ -90,13 +93,16 @@ def predicted_attainment(latencies: dict, slo) -> float:
 
 
 def run_attainment(latencies: dict, slo) -> dict:
-    """A run's attainment at `slo`: measured, predicted, and under the pooled and engine-only models."""
+    """A run's attainment at `slo`: measured, predicted, and under the pooled and engine-only
+    models and the diagnostic own-speed model (calibrated on the run's own steps: not a
+    prediction, since it needs the run; what is left of the error once the machine's speed
+    during the run is known)."""
     from cluster.planner.simulator import attainment
 
     return {"measured": attainment(latencies["measured"], slo.ttft_s, slo.tpot_s),
             "predicted": predicted_attainment(latencies, slo),
             **{name: attainment(latencies[name], slo.ttft_s, slo.tpot_s)
-               for name in ("predicted_pooled", "predicted_engine_only")}}
+               for name in ("predicted_pooled", "predicted_engine_only", "own_speed")}}
 
 
 def cpu_times() -> tuple[int, int] | None:
@@ -115,18 +121,33 @@ def steal_fraction(before, after) -> float:
     return (after[0] - before[0]) / (after[1] - before[1])
 
 
+def compact(work) -> list:
+    """SimRequests as [arrival s, prompt, output, cached] rows (SimRequest(*row) restores one)."""
+    return [[round(r.arrival_s, 4), r.prompt_len, r.output_len, r.cached_len] for r in work]
+
+
+def simulated(profile, layout: str, work, local_prefill_max_tokens: int) -> list:
+    """Simulated (TTFT, TPOT) of every request of `work` in `layout` ("disaggregated": 1P+1D with
+    local prefill up to `local_prefill_max_tokens`; "colocated": one engine), rounded."""
+    from cluster.planner.simulator import simulate
+
+    if layout == "colocated":
+        return rounded(simulate(profile, work, 0, 1, True).requests())
+    return rounded(simulate(profile, work, 1, 1, False, local_prefill_max_tokens).requests())
+
+
 def slo_name(slo) -> str:
     return f"ttft {slo.ttft_s:g}s, tpot {1000 * slo.tpot_s:g}ms"
 
 
-def parse_slos(text: str, percentile: float) -> list:
+def parse_slos(text: str, percentile: float, option: str = "--also-slos") -> list:
     """"4:0.04,1:0.2" -> SLOs (TTFT seconds : TPOT seconds, at `percentile`)."""
     from cluster.planner.search import SLO
 
     try:
         return [SLO(float(t), float(p), percentile) for t, p in (pair.split(":") for pair in text.split(",") if pair)]
     except ValueError as exc:
-        raise SystemExit(f"--also-slos: expected TTFT:TPOT pairs in seconds, e.g. 4:0.04,1:0.2 ({exc})") from exc
+        raise SystemExit(f"{option}: expected TTFT:TPOT pairs in seconds, e.g. 4:0.04,1:0.2 ({exc})") from exc
 
 
 def machine_probe() -> float:
@@ -243,10 +264,12 @@ def summarize(point: dict, slo) -> dict:
     out = {"predicted_attainment": statistics.mean(a["predicted"] for a in each),
            "predicted_pooled": statistics.mean(a["predicted_pooled"] for a in each),
            "predicted_engine_only": statistics.mean(a["predicted_engine_only"] for a in each),
+           "own_speed": statistics.mean(a["own_speed"] for a in each),
            "measured_runs": measured, "measured_mean": statistics.mean(measured),
            "measured_min": min(measured), "measured_max": max(measured),
            "measured_stdev": statistics.stdev(measured) if len(measured) > 1 else 0.0}
     out["difference_pp"] = 100 * (out["measured_mean"] - out["predicted_attainment"])
+    out["own_speed_difference_pp"] = 100 * (out["measured_mean"] - out["own_speed"])
     out["pass"] = abs(out["difference_pp"]) <= TOLERANCE_PP
     per_s = point["requests"] / point["span_s"]
     out["measured_goodput_per_s"] = out["measured_mean"] * per_s
@@ -322,9 +345,9 @@ def main() -> None:
 
     from benchmarks.prefix_reuse import local_ray, workload_rows
     from cluster.config import ServeConfig
-    from cluster.planner.calibrate import calibrate_periods
+    from cluster.planner.calibrate import calibrate, calibrate_periods
     from cluster.planner.search import SLO, lengths_of, phase_curve
-    from cluster.planner.simulator import attainment, simulate
+    from cluster.planner.simulator import attainment
     from cluster.planner.workload import load_trace, rescale
     from engine.model_source import resolve_model
     from engine.profile import Profile
@@ -353,10 +376,7 @@ def main() -> None:
                 phase_curve(profile, lengths, "decode", local_prefill_max_tokens=local).capacity(slo, False, True))
 
     def prediction(profile, layout: str, work) -> list:
-        """Simulated (TTFT, TPOT) of every request of `work` in `layout`, rounded."""
-        if layout == "colocated":
-            return rounded(simulate(profile, work, 0, 1, True).requests())
-        return rounded(simulate(profile, work, 1, 1, False, local).requests())
+        return simulated(profile, layout, work, local)
 
     step_dir = Path(tempfile.mkdtemp(prefix="pdserve-steps-"))
     os.environ[STEP_LOG_ENV] = str(step_dir)  # the workers inherit it from the Ray node
@@ -377,16 +397,18 @@ def main() -> None:
                 print(f"calibration {'(settling) ' if settling else ''}{period + 1}: {layout}, "
                       f"{len(calibration_work)} requests ...", flush=True)
                 cpu = cpu_times()
-                _, start, end = serve_and_drive(args.model, overrides,
-                                                trace_driver(args.model, to_replay(calibration_work)), args.port)
+                measured, start, end = serve_and_drive(args.model, overrides,
+                                                       trace_driver(args.model, to_replay(calibration_work)), args.port)
                 steps = [s for s in read_step_logs(step_dir) if start <= s["t"] <= end]
                 record = {"steps_vs_engine_only": step_errors(steps, engine_only[layout]),
-                          "steal": steal_fraction(cpu, cpu_times())}
+                          "steal": steal_fraction(cpu, cpu_times()), "wall_s": (start, end),
+                          "latencies": rounded(measured_latencies(measured))}
                 result["calibration"][layout]["settle" if settling else "periods"].append(record)
                 if not settling:
                     periods[layout].append(steps)
                 print(f"  decode steps {record['steps_vs_engine_only'].get('decode', {}).get('median_ratio', 0):.2f}x "
                       f"the engine-only model, CPU steal {record['steal']:.1%}", flush=True)
+        result["calibration_work"] = compact(calibration_work)
         profiles, variants = {}, {}
         for layout in layouts:
             profiles[layout], variants[layout] = calibrate_periods(engine_only[layout], periods[layout])
@@ -438,13 +460,15 @@ def main() -> None:
                 latencies = {"measured": rounded(measured_latencies(measured)),
                              "predicted_pooled": prediction(profiles[layout], layout, work),
                              "predicted_engine_only": prediction(engine_only[layout], layout, work),
-                             "predicted_by_period": [prediction(v, layout, work) for v in variants[layout]]}
+                             "predicted_by_period": [prediction(v, layout, work) for v in variants[layout]],
+                             "own_speed": prediction(calibrate(engine_only[layout], steps), layout, work)}
                 run = {"latencies": latencies, "attainment": run_attainment(latencies, slo),
                        "requests": len(measured), "span_s": work[-1].arrival_s - work[0].arrival_s,
                        "errors": sum(r["error"] is not None for r in measured), "results": measured, "work": work,
                        "steps_vs_engine_only": step_errors(steps, engine_only[layout]),
                        "steps_vs_calibrated": step_errors(steps, profiles[layout]),
-                       "probe_s": probe, "machine_disturbed": disturbed, "steal": steal}
+                       "probe_s": probe, "machine_disturbed": disturbed, "steal": steal,
+                       "wall_s": (start, end)}
                 point["runs"].append(run)
                 print(f"  predicted {run['attainment']['predicted']:.0%} "
                       f"(pooled calibration {run['attainment']['predicted_pooled']:.0%}, "
@@ -457,7 +481,7 @@ def main() -> None:
         if point["layout"] == "disaggregated":
             point["autoscaler_correction"] = correction_path(profiles["disaggregated"], slo, point["runs"], local)
         for run in point["runs"]:
-            run["work"] = [[round(r.arrival_s, 4), r.prompt_len, r.output_len, r.cached_len] for r in run["work"]]
+            run["work"] = compact(run["work"])
             del run["results"]
         for key in ("work", "drive"):
             del point[key]
@@ -469,13 +493,14 @@ def main() -> None:
     for s in slos:
         print(f"at {slo_name(s)} (p{s.percentile:g}):")
         print(f"{'point':28} {'predicted':>9} {'pooled':>6} {'engine-only':>11} {'measured mean':>13} "
-              f"{'min..max':>11} {'diff':>8}  pass")
+              f"{'min..max':>11} {'diff':>8}  pass  own-speed model (diagnostic)")
         for name, p in points.items():
             a = p["by_slo"][slo_name(s)]
             print(f"{name:28} {a['predicted_attainment']:>9.0%} {a['predicted_pooled']:>6.0%} "
                   f"{a['predicted_engine_only']:>11.0%} "
                   f"{a['measured_mean']:>13.0%} {a['measured_min']:>5.0%}..{a['measured_max']:<4.0%} "
-                  f"{a['difference_pp']:>+7.1f}pp  {a['pass']}")
+                  f"{a['difference_pp']:>+7.1f}pp  {a['pass']!s:5} "
+                  f"{a['own_speed']:>5.0%} ({a['own_speed_difference_pp']:+.1f}pp)")
     for name, p in points.items():
         for run in p.get("disturbed_runs", []):
             print(f"{name}: a run re-run for a slow machine (probe {max(run['probe_s']):.3f}s, fastest "

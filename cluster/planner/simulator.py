@@ -45,7 +45,9 @@ class SimResult:
         return attainment(self.requests(), ttft_slo, tpot_slo)
 
     def requests(self) -> list[tuple[float, float | None]]:
-        """(TTFT, TPOT) of every request in finishing order; TPOT None for one output token."""
+        """(TTFT, TPOT) of every request, in the order simulate() was given them (as a load
+        generator returns its results: measured and simulated pair up request by request);
+        TPOT None for one output token."""
         return list(zip(self.ttft_s, self._tpot_all, strict=True))
 
     _tpot_all: list = field(default_factory=list, repr=False)
@@ -62,6 +64,7 @@ def attainment(latencies: list[tuple[float | None, float | None]], ttft_slo: flo
 class _Job:
     req: SimRequest
     remaining_prompt: int
+    index: int = 0  # position in the requests given to simulate()
     first_token_s: float = -1.0
     generated: int = 0
     context: int = 0
@@ -100,8 +103,8 @@ class _Simulation:
         heapq.heappush(self.events, (t, next(self.seq), kind, payload))
 
     def run(self, requests: list[SimRequest]) -> SimResult:
-        for r in requests:
-            self.push(r.arrival_s, "arrive", _Job(r, r.uncached_len))
+        for index, r in enumerate(requests):
+            self.push(r.arrival_s, "arrive", _Job(r, r.uncached_len, index))
         now = 0.0
         while self.events:
             now, _, kind, payload = heapq.heappop(self.events)
@@ -119,6 +122,7 @@ class _Simulation:
                 self._prefill_step_done(now, payload)
             else:
                 self._decode_step_done(now, payload)
+        self.done.sort(key=lambda j: j.index)
         ttft = [j.first_token_s - j.req.arrival_s for j in self.done]
         tpot_all = [((j.finish_s - j.first_token_s) / (j.req.output_len - 1)) if j.req.output_len > 1 else None
                     for j in self.done]

@@ -58,6 +58,21 @@ def test_simulated_requests_pair_each_ttft_with_its_own_tpot():
     assert result.attainment(0.8, 0.015) == attainment(result.requests(), 0.8, 0.015) == 0.5
 
 
+def test_simulated_requests_come_back_in_the_order_given():
+    """A long request that arrives first finishes after a short one that arrives later:
+    requests() still lists the long one first, so it pairs with a load generator's results.
+    By hand: a 300-token prefill takes 0.4 s and its KV 0.3 s to ship, so the first arrival's
+    TTFT is 0.7 s; the second (at 0.2 s) waits for the prefill worker until 0.4 s: 0.9 s."""
+    profile = Profile("hand", (0.1, 0.001, 0.0), (0.01, 0.002, 1e-5), 1000, 1e6, max_num_batched_tokens=512)
+    long, short = SimRequest(0.0, 300, 200), SimRequest(0.2, 300, 2)
+    result = simulate(profile, [long, short], prefill=1, decode=1)
+    long_alone = simulate(profile, [long], prefill=1, decode=1).requests()[0]
+    (long_ttft, long_tpot), (short_ttft, short_tpot) = result.requests()
+    assert (long_ttft, short_ttft) == (pytest.approx(0.7), pytest.approx(0.9))
+    assert long_tpot == pytest.approx(long_alone[1], rel=0.02)  # 199 steps, two of them beside the short one
+    assert short_tpot < 0.035  # one token after its first, within two decode steps
+
+
 def test_long_prompts_stall_colocated_decoding():
     work = poisson(0.5, 200, [(1800, 64), (64, 128)], seed=1)
     disagg = simulate(PROFILE, work, prefill=1, decode=1)
