@@ -4,8 +4,9 @@ and each against this machine's measured roofline, in one run.
 Workload: shared/workloads/offline-mixed.jsonl (64 requests at t=0, ignore_eos, mixed
 prompt and output lengths). For each dtype: HF runs them in arrival order in static
 batches (left padding; every batch runs until its longest request is done, as static
-batching does); pdserve runs all 64 through continuous batching, three times per dtype
-with the dtypes interleaved (the ratio is the median of each bf16 run over the fp32 run
+batching does); pdserve runs all 64 through continuous batching (prefix caching off, so
+every run prefills every prompt), after a short warm-up, three times per dtype with the
+dtypes interleaved (the ratio is the median of each bf16 run over the fp32 run
 beside it: this machine is shared and its speed drifts).
 
 Second measure, per dtype: one decode step at batch 64 with ~300-token contexts, pdserve
@@ -170,6 +171,8 @@ def pdserve_runs(llms: dict, requests: list[dict], repeats: int) -> dict:
     """pdserve on the workload `repeats` times per dtype, the dtypes interleaved so that a
     noisy neighbour hits both alike: every run, and the run with the median rate."""
     runs: dict[str, list[dict]] = {name: [] for name in llms}
+    for llm in llms.values():  # first calls (kernel builds, allocations) outside the timed runs
+        run_pdserve(llm, [{**r, "max_tokens": 4} for r in requests[:4]])
     for r in range(repeats):
         for name, llm in llms.items():
             print(f"[{name}] pdserve run {r + 1}/{repeats} ...", flush=True)
@@ -298,7 +301,9 @@ def main() -> None:
               "ceilings": ceilings, "dtypes": {}}
     from engine import LLM
 
-    llms = {name: LLM(args.model, dtype=name) for name in args.dtypes}
+    # prefix caching off: the runs repeat the same prompts, and a cached prompt skips its
+    # prefill (with it on, every run after the first measured decode alone)
+    llms = {name: LLM(args.model, dtype=name, enable_prefix_caching=False) for name in args.dtypes}
     pdserve = pdserve_runs(llms, requests, args.repeats)
     for name in args.dtypes:
         result["dtypes"][name] = run_dtype(name, args, llms[name], requests, model_dir, ceilings, pdserve[name])
