@@ -6,6 +6,12 @@ from hypothesis import settings
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# testkit starts workers with Popen(preexec_fn=...), which forks while this process has gRPC
+# channels busy; with gRPC's fork support on, its event engine restarts a poller in the forked
+# child before exec, and that poller can abort on a closed epoll fd (grpc/grpc#43055): a decode
+# worker died at start-up once in CI. /tmp repro, 300 Popens beside a busy channel: 13 children
+# failed with fork support on, 0 with it off. Set before any test imports grpc.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 # Every engine the suite starts (in this process, in worker subprocesses and Ray actors, which
 # inherit the environment) gets a 512 MiB KV cache unless a test sizes it: enough for one
 # max-length SmolLM2 request in fp32, and a quarter of the 2 GiB default, which with a dozen
