@@ -68,3 +68,20 @@ def test_a_sequences_output_is_the_same_bits_in_any_batch(cpu_kernels, dtype, he
     wide = torch.zeros(len(ctx_lens), tables.shape[1] + 4, dtype=torch.int64)
     wide[:, :tables.shape[1]] = tables
     assert torch.equal(cpu_kernels.paged_decode_attention(q, k_cache, v_cache, wide, lens, 0.125), batched)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_slots_past_the_context_are_never_read(cpu_kernels, dtype, block_size):
+    """A block's slots past a sequence's last token hold whatever an earlier owner left (NaN
+    here): the bf16 kernel weighs V rows two at a time, and an odd last token must be paired
+    with zeros, not with the next slot."""
+    ctx_lens = [1, 15, 17, 33]
+    q, k_cache, v_cache, tables, lens = make_case(dtype, 64, 9, 3, block_size, ctx_lens, seed=5)
+    expected = reference(q, k_cache, v_cache, tables, lens, 0.125)
+    for b, n in enumerate(ctx_lens):
+        last = int(tables[b, (n - 1) // block_size])
+        k_cache[last, (n - 1) % block_size + 1:] = float("nan")
+        v_cache[last, (n - 1) % block_size + 1:] = float("nan")
+    out = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
+    assert (out.double() - expected).abs().max().item() < TOLERANCE[dtype]
