@@ -15,7 +15,10 @@ roofline counts) vs a plain HF forward step with a DynamicCache, and the step's 
 roofline (weights + KV read / measured bandwidth) and compute floor (matmul FLOPs /
 measured matmul peak). Where the compute floor exceeds the memory roofline / 0.6, no
 implementation reaches 60% of the memory roofline on this machine; the JSON says so
-(`memory_target_attainable`) and gives the fraction of the higher of the two floors.
+(`memory_target_attainable`) and gives the fraction of the higher of the two floors, and
+the best fraction a step reaches with its products at the peak and its KV read at the
+bandwidth one after the other (`no_overlap_fraction_ceiling`; engine steps do not overlap
+them).
 Third: prefill throughput as a fraction of the matmul peak.
 
 Writes benchmarks/results/offline_throughput.json and .png.
@@ -220,6 +223,9 @@ def run_dtype(name: str, args, llm, requests: list[dict], model_dir, ceilings: d
     step["fraction_of_floor"] = floor / model_ms
     # a step at 60% of the memory roofline would beat the compute floor: unattainable here
     step["memory_target_attainable"] = bounds["compute_floor_ms"] <= bounds["memory_roofline_ms"] / 0.6
+    # the best fraction of the memory roofline a step reaches without overlapping KV reads
+    # with the products (at the measured peak and bandwidth)
+    step["no_overlap_fraction_ceiling"] = bounds["memory_roofline_ms"] / bounds["no_overlap_floor_ms"]
     step["model_ratio_pdserve_over_hf"] = model_ms / step["hf"]["forward_ms_median"]  # HF's includes its LM head
     out["decode_step"] = step
 

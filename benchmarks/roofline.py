@@ -76,11 +76,19 @@ def attention_flops(model, query_tokens: int, mean_context: float) -> float:
 
 
 def decode_step_bounds(model, batch: int, mean_context: float, bandwidth: float, peak: float) -> dict:
-    """The memory roofline and the compute floor (seconds) of one decode step."""
-    moved = weight_bytes(model) + batch * mean_context * kv_bytes_per_token(model)
-    flops = 2.0 * matmul_params(model, with_lm_head=True) * batch + attention_flops(model, batch, mean_context)
+    """The memory roofline and the compute floor (ms) of one decode step, and its floor
+    without overlap: the products at the matmul peak plus the KV read at the bandwidth, one
+    after the other. A layer's attention needs its q, and its next product needs the
+    attention's output, so a step overlaps the two only by fetching a layer's KV ahead while
+    earlier products run; an engine that does not (this one does not) is no faster than
+    that floor."""
+    kv = batch * mean_context * kv_bytes_per_token(model)
+    moved = weight_bytes(model) + kv
+    products = 2.0 * matmul_params(model, with_lm_head=True) * batch
+    flops = products + attention_flops(model, batch, mean_context)
     return {"bytes": moved, "flops": flops, "memory_roofline_ms": 1000 * moved / bandwidth,
-            "compute_floor_ms": 1000 * flops / peak}
+            "compute_floor_ms": 1000 * flops / peak,
+            "no_overlap_floor_ms": 1000 * (products / peak + kv / bandwidth)}
 
 
 def prefill_flops_per_token(model, mean_context: float) -> float:
