@@ -5,19 +5,21 @@
 2. calibrate each profile to serving (cluster.planner.calibrate): replay online-poisson
    requests 100-159 through the real service in each layout with step logging on
    (engine.step_log), `--settle-runs` times discarded (serving ran slower in the first
-   minutes after start) and then `--calibration-periods` times, the layouts interleaved;
-   each period scales each kind of step by its median measured/predicted time, and so does
-   the pool of all periods;
+   minutes after start); then, at the start of every round of repeats, once more in each
+   layout: each kind of step scaled by its median measured/predicted time in that replay.
+   A round's runs are predicted by the calibration taken just before them (this shared
+   host's serving speed drifted by 1.0-1.4x over the 40 minutes of one validation, and a
+   colocated engine's decode steps ran 1.6x the engine-only model in one session and 2.0x in
+   another: a calibration taken once, up front, predicts the host's drift into every later
+   run, which is not the planner's error; every round's calibration pooled is reported
+   beside it as "predicted_pooled");
 3. predict SLO attainment with the simulator under the serving configuration's own
    policies (a decode worker prefills a prompt of at most `local_prefill_max_tokens`
-   itself): the prediction judged is the mean attainment over the per-period models (the
-   expectation over this machine's measured speed spread, which a point whose SLO cuts
-   through its latency distribution is steeply sensitive to), with the pooled calibration's
-   and the engine-only profile's beside it: online-poisson (its
-   first `--requests`) at 0.7x, 1.0x and 1.3x the planner's 1P+1D capacity, the
-   interference workload in both layouts (1P+1D on a core each; colocated on both), and
-   multi-turn-chat (closed-loop chat clients; predicted from the arrivals, lengths and
-   prefix-cache hits each run offered, as the router sees them);
+   itself), with the engine-only profile's prediction beside it: online-poisson (its
+   first `--requests`) at 0.7x, 1.0x and 1.3x the 1P+1D capacity that the first round's
+   calibration gives, the interference workload in both layouts (1P+1D on a core each;
+   colocated on both), and multi-turn-chat (closed-loop chat clients; predicted from the
+   arrivals, lengths and prefix-cache hits each run offered, as the router sees them);
 4. replay every point through the real service `--repeats` times, the repeats interleaved
    so that drift of this shared machine falls on every point alike; a run is re-run (up to
    MAX_RERUNS times) when this machine itself was slow around it: a fixed CPU probe, timed
@@ -84,25 +86,16 @@ def rounded(latencies: list) -> list:
     return [(None if t is None else round(t, 4), None if p is None else round(p, 5)) for t, p in latencies]
 
 
-def predicted_attainment(latencies: dict, slo) -> float:
-    """The prediction judged: the mean attainment over the per-period calibrated models (the
-    expectation over the machine's measured speed spread; cluster.planner.calibrate_periods)."""
-    from cluster.planner.simulator import attainment
-
-    return statistics.mean(attainment(lat, slo.ttft_s, slo.tpot_s) for lat in latencies["predicted_by_period"])
-
-
 def run_attainment(latencies: dict, slo) -> dict:
-    """A run's attainment at `slo`: measured, predicted, and under the pooled and engine-only
-    models and the diagnostic own-speed model (calibrated on the run's own steps: not a
+    """A run's attainment at `slo`: measured; predicted (the model calibrated at the start of
+    the run's round); under the pooled calibration of every round and the engine-only profile;
+    and under the diagnostic own-speed model (calibrated on the run's own steps: not a
     prediction, since it needs the run; what is left of the error once the machine's speed
     during the run is known)."""
     from cluster.planner.simulator import attainment
 
-    return {"measured": attainment(latencies["measured"], slo.ttft_s, slo.tpot_s),
-            "predicted": predicted_attainment(latencies, slo),
-            **{name: attainment(latencies[name], slo.ttft_s, slo.tpot_s)
-               for name in ("predicted_pooled", "predicted_engine_only", "own_speed")}}
+    return {name: attainment(latencies[name], slo.ttft_s, slo.tpot_s)
+            for name in ("measured", "predicted", "predicted_pooled", "predicted_engine_only", "own_speed")}
 
 
 def cpu_times() -> tuple[int, int] | None:
@@ -256,9 +249,9 @@ def correction_path(profile, slo, runs: list[dict], local: int, rounds: int = 5)
 
 
 def summarize(point: dict, slo) -> dict:
-    """A point's attainment at `slo` over its runs: predicted (the expectation over the
-    per-period calibrations; the pooled calibration and the engine-only profile beside it)
-    and measured mean, spread, difference and pass; goodputs in requests/s."""
+    """A point's attainment at `slo` over its runs: predicted (each run by its round's
+    calibration; every round's calibration pooled and the engine-only profile beside it) and
+    measured mean, spread, difference and pass; goodputs in requests/s."""
     each = [run_attainment(r["latencies"], slo) for r in point["runs"]]
     measured = [a["measured"] for a in each]
     out = {"predicted_attainment": statistics.mean(a["predicted"] for a in each),
@@ -305,7 +298,7 @@ def plot(result: dict, path: Path) -> None:
             ax.bar([x - 0.27 for x in xs], [100 * at[n]["predicted_engine_only"] for n in names], 0.27,
                    label="predicted, engine-only profile", color="lightgray")
             ax.bar(list(xs), [100 * at[n]["predicted_attainment"] for n in names], 0.27,
-                   label="predicted (calibrated, mean over periods)")
+                   label="predicted (calibrated at the start of each round)")
             ax.bar([x + 0.27 for x in xs], [100 * at[n]["measured_mean"] for n in names], 0.27,
                    label="measured (mean)",
                    yerr=[[100 * (at[n]["measured_mean"] - at[n]["measured_min"]) for n in names],
@@ -333,9 +326,6 @@ def main() -> None:
     parser.add_argument("--settle-runs", type=int, default=2,
                         help="calibration replays per layout run first and discarded (measured: serving steps ran "
                              "1.2-1.4x slower in the first minutes after start than later)")
-    parser.add_argument("--calibration-periods", type=int, default=3,
-                        help="calibration replays per layout after settling, interleaved; each is one period of "
-                             "the speed spread the prediction averages over (cluster.planner.calibrate_periods)")
     parser.add_argument("--reuse-profiles", action="store_true", help="use the profiles already in the results dir")
     parser.add_argument("--points", default="online,interference,chat", help="which workloads to replay")
     parser.add_argument("--chat-sessions", type=int, default=16, help="multi-turn-chat sessions (4 turns each)")
@@ -345,7 +335,7 @@ def main() -> None:
 
     from benchmarks.prefix_reuse import local_ray, workload_rows
     from cluster.config import ServeConfig
-    from cluster.planner.calibrate import calibrate, calibrate_periods
+    from cluster.planner.calibrate import calibrate
     from cluster.planner.search import SLO, lengths_of, phase_curve
     from cluster.planner.simulator import attainment
     from cluster.planner.workload import load_trace, rescale
@@ -384,42 +374,15 @@ def main() -> None:
     result = {"slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "percentile": slo.percentile},
               "slos": [slo_name(s) for s in slos], "local_prefill_max_tokens": local, "repeats": args.repeats,
               "points": points}
-    with local_ray(4):
-        # serving calibration: online-poisson requests 100-159 (none of them replayed below)
-        # at the engine-only 1P+1D capacity: --settle-runs replays per layout discarded, then
-        # --calibration-periods per layout, the layouts interleaved
-        calibration_work = rescale(online, min(capacity_1p1d(engine_only["disaggregated"])))[100:160]
-        periods: dict[str, list] = {layout: [] for layout in layouts}
-        result["calibration"] = {layout: {"settle": [], "periods": []} for layout in layouts}
-        for period in range(args.settle_runs + args.calibration_periods):
-            settling = period < args.settle_runs
-            for layout, overrides in layouts.items():
-                print(f"calibration {'(settling) ' if settling else ''}{period + 1}: {layout}, "
-                      f"{len(calibration_work)} requests ...", flush=True)
-                cpu = cpu_times()
-                measured, start, end = serve_and_drive(args.model, overrides,
-                                                       trace_driver(args.model, to_replay(calibration_work)), args.port)
-                steps = [s for s in read_step_logs(step_dir) if start <= s["t"] <= end]
-                record = {"steps_vs_engine_only": step_errors(steps, engine_only[layout]),
-                          "steal": steal_fraction(cpu, cpu_times()), "wall_s": (start, end),
-                          "latencies": rounded(measured_latencies(measured))}
-                result["calibration"][layout]["settle" if settling else "periods"].append(record)
-                if not settling:
-                    periods[layout].append(steps)
-                print(f"  decode steps {record['steps_vs_engine_only'].get('decode', {}).get('median_ratio', 0):.2f}x "
-                      f"the engine-only model, CPU steal {record['steal']:.1%}", flush=True)
-        result["calibration_work"] = compact(calibration_work)
-        profiles, variants = {}, {}
-        for layout in layouts:
-            profiles[layout], variants[layout] = calibrate_periods(engine_only[layout], periods[layout])
-            result["calibration"][layout].update(pooled=profiles[layout].samples["serving_calibration"],
-                                                 by_period=[v.samples["serving_calibration"]["factors"]
-                                                            for v in variants[layout]])
-            print(f"calibration, {layout}: pooled {result['calibration'][layout]['pooled']['factors']}, by period "
-                  f"{result['calibration'][layout]['by_period']}", flush=True)
+    # serving calibration: online-poisson requests 100-159 (none of them replayed below) at
+    # the engine-only 1P+1D capacity
+    calibration_work = rescale(online, min(capacity_1p1d(engine_only["disaggregated"])))[100:160]
 
+    def define_points(calibrated) -> None:
+        """The points replayed: online-poisson at 0.7x, 1.0x and 1.3x the 1P+1D capacity that
+        the `calibrated` disaggregated profile gives, interference in both layouts, chat."""
         if "online" in args.points:
-            cap_p, cap_d = capacity_1p1d(profiles["disaggregated"])
+            cap_p, cap_d = capacity_1p1d(calibrated)
             result["capacity_per_instance"] = {"prefill": cap_p, "decode": cap_d}
             result["predicted_capacity_1p1d"] = capacity = min(cap_p, cap_d)
             for factor in (0.7, 1.0, 1.3):
@@ -435,8 +398,44 @@ def main() -> None:
             points["multi-turn-chat"] = {"layout": "disaggregated", "work": None, "runs": [],
                                          "drive": chat_driver(workload_rows("multi-turn-chat", args.chat_sessions))}
 
+    def replay_calibration(layout: str) -> tuple[list[dict], dict]:
+        """One calibration replay in `layout`: its step log, and the record the results keep."""
+        cpu = cpu_times()
+        measured, start, end = serve_and_drive(args.model, layouts[layout],
+                                               trace_driver(args.model, to_replay(calibration_work)), args.port)
+        steps = [s for s in read_step_logs(step_dir) if start <= s["t"] <= end]
+        record = {"steps_vs_engine_only": step_errors(steps, engine_only[layout]),
+                  "steal": steal_fraction(cpu, cpu_times()), "wall_s": (start, end),
+                  "latencies": rounded(measured_latencies(measured))}
+        print(f"  decode steps {record['steps_vs_engine_only'].get('decode', {}).get('median_ratio', 0):.2f}x "
+              f"the engine-only model, CPU steal {record['steal']:.1%}", flush=True)
+        return steps, record
+
+    with local_ray(4):
+        # --settle-runs calibration replays per layout discarded, then one per layout at the
+        # start of every round, whose calibration predicts that round's runs
+        result["calibration_work"] = compact(calibration_work)
+        result["calibration"] = {layout: {"settle": [], "rounds": []} for layout in layouts}
+        for settle in range(args.settle_runs):
+            for layout in layouts:
+                print(f"calibration (settling) {settle + 1}: {layout}, {len(calibration_work)} requests ...",
+                      flush=True)
+                result["calibration"][layout]["settle"].append(replay_calibration(layout)[1])
+        round_steps: dict[str, list] = {layout: [] for layout in layouts}
         fastest_probe = min(machine_probe() for _ in range(3))
         for repeat in range(args.repeats):
+            profiles = {}
+            for layout in layouts:
+                print(f"[{repeat + 1}/{args.repeats}] calibration: {layout}, {len(calibration_work)} requests ...",
+                      flush=True)
+                steps, record = replay_calibration(layout)
+                round_steps[layout].append(steps)
+                profiles[layout] = calibrate(engine_only[layout], steps)
+                record["factors"] = profiles[layout].samples["serving_calibration"]["factors"]
+                result["calibration"][layout]["rounds"].append(record)
+                print(f"  calibrated factors {record['factors']}", flush=True)
+            if repeat == 0:  # the points, at rates from the first round's calibrated capacity
+                define_points(profiles["disaggregated"])
             for name, point in points.items():
                 print(f"[{repeat + 1}/{args.repeats}] {name} ...", flush=True)
                 layout = point["layout"]
@@ -458,11 +457,10 @@ def main() -> None:
                 work = point["work"] or observed_work(measured)
                 steps = [s for s in read_step_logs(step_dir) if start <= s["t"] <= end]
                 latencies = {"measured": rounded(measured_latencies(measured)),
-                             "predicted_pooled": prediction(profiles[layout], layout, work),
+                             "predicted": prediction(profiles[layout], layout, work),
                              "predicted_engine_only": prediction(engine_only[layout], layout, work),
-                             "predicted_by_period": [prediction(v, layout, work) for v in variants[layout]],
                              "own_speed": prediction(calibrate(engine_only[layout], steps), layout, work)}
-                run = {"latencies": latencies, "attainment": run_attainment(latencies, slo),
+                run = {"latencies": latencies, "round": repeat,
                        "requests": len(measured), "span_s": work[-1].arrival_s - work[0].arrival_s,
                        "errors": sum(r["error"] is not None for r in measured), "results": measured, "work": work,
                        "steps_vs_engine_only": step_errors(steps, engine_only[layout]),
@@ -470,16 +468,24 @@ def main() -> None:
                        "probe_s": probe, "machine_disturbed": disturbed, "steal": steal,
                        "wall_s": (start, end)}
                 point["runs"].append(run)
-                print(f"  predicted {run['attainment']['predicted']:.0%} "
-                      f"(pooled calibration {run['attainment']['predicted_pooled']:.0%}, "
-                      f"engine-only profile {run['attainment']['predicted_engine_only']:.0%}), "
-                      f"measured {run['attainment']['measured']:.0%}, CPU steal {steal:.1%}", flush=True)
+                at = {name: attainment(lat, slo.ttft_s, slo.tpot_s) for name, lat in latencies.items()}
+                print(f"  predicted {at['predicted']:.0%} (engine-only profile {at['predicted_engine_only']:.0%}), "
+                      f"measured {at['measured']:.0%}, CPU steal {steal:.1%}", flush=True)
+    # the diagnostic "one calibration for the whole session": every round's calibration pooled
+    pooled = {layout: calibrate(engine_only[layout], [s for steps in round_steps[layout] for s in steps])
+              for layout in layouts}
+    for layout, profile in pooled.items():
+        result["calibration"][layout]["pooled"] = profile.samples["serving_calibration"]
+    for point in points.values():
+        for run in point["runs"]:
+            run["latencies"]["predicted_pooled"] = prediction(pooled[point["layout"]], point["layout"], run["work"])
+            run["attainment"] = run_attainment(run["latencies"], slo)
     for point in points.values():
         point["requests"] = statistics.mean(r["requests"] for r in point["runs"])
         point["span_s"] = statistics.mean(r["span_s"] for r in point["runs"])
         point["by_slo"] = {slo_name(s): summarize(point, s) for s in slos}
         if point["layout"] == "disaggregated":
-            point["autoscaler_correction"] = correction_path(profiles["disaggregated"], slo, point["runs"], local)
+            point["autoscaler_correction"] = correction_path(pooled["disaggregated"], slo, point["runs"], local)
         for run in point["runs"]:
             run["work"] = compact(run["work"])
             del run["results"]

@@ -53,16 +53,3 @@ def calibrate(profile: Profile, steps: list[dict]) -> Profile:
     record = {"factors": factors, "steps": {kind: len(r) for kind, r in ratios.items()}}
     return replace(calibrated, samples={**profile.samples, "serving_calibration": record})
 
-
-def calibrate_periods(profile: Profile, periods: list[list[dict]]) -> tuple[Profile, list[Profile]]:
-    """(`profile` calibrated on every period's steps pooled, [`profile` calibrated on each
-    period's steps alone]): `periods` are step logs of separate serving periods.
-
-    A shared machine's serving speed drifts between periods (measured on this 2-core host:
-    one layout's decode steps ran 0.78-1.04x a model calibrated minutes earlier, run to run).
-    Where an SLO cuts through the middle of a latency distribution, attainment moves steeply
-    with that speed (a colocated engine's TPOT against a 40 ms SLO: 5% of requests in one run,
-    98% in another), so no single model predicts the mean of runs; the per-period models are
-    the measured spread, and the mean attainment over them is the expectation."""
-    pooled = calibrate(profile, [step for period in periods for step in period])
-    return pooled, [calibrate(profile, period) for period in periods]

@@ -341,19 +341,3 @@ def test_calibration_recovers_how_much_slower_serving_steps_are():
     assert few.colocated_coeffs == pytest.approx(profile.scaled(prefill=1.3, decode=1.1).colocated_coeffs)
     decode_only = calibrate(profile, [s for s in steps if not s["T"]])  # and unlogged prefill keeps its own
     assert decode_only.prefill_coeffs == profile.prefill_coeffs
-
-
-def test_calibrating_by_period_keeps_each_periods_speed_and_pools_them():
-    from cluster.planner.calibrate import calibrate_periods
-
-    profile = Profile("m", (0.02, 0.001, 1e-7), (0.03, 0.002, 1e-6), 1000, 1e9)
-    decodes = [(b, b * 300) for b in (1, 4, 16, 64, 32, 8)]
-
-    def period(factor: float) -> list[dict]:
-        return [{"T": 0, "Q": 0, "B": b, "C": c, "s": factor * profile.decode_step_s(b, c)} for b, c in decodes]
-
-    pooled, each = calibrate_periods(profile, [period(1.0), period(1.3), period(1.2)])
-    assert [p.samples["serving_calibration"]["factors"]["decode"] for p in each] == pytest.approx([1.0, 1.3, 1.2])
-    assert pooled.samples["serving_calibration"]["factors"]["decode"] == pytest.approx(1.2)  # median of all 18 steps
-    assert pooled.samples["serving_calibration"]["steps"] == {"decode": 18}
-    assert each[1].decode_step_s(8, 2400) == pytest.approx(1.3 * profile.decode_step_s(8, 2400))
