@@ -2,11 +2,14 @@
 
 1. profile the real engine pinned to one core (each worker's share in the 1P+1D layout) and
    to both cores (a colocated engine): prefill, decode and mixed steps (`pdserve profile`);
+   the SLOs and the interference trace's arrival times are given for the reference host
+   (REFERENCE_PROFILE) and scaled by how much slower this host's engine is (host_scale);
 2. calibrate each profile to serving (cluster.planner.calibrate): replay online-poisson
    requests 100-159 through the real service in each layout with step logging on
    (engine.step_log), `--settle-runs` times discarded (serving ran slower in the first
    minutes after start); then, at the start of every round of repeats, once more in each
-   layout: each kind of step scaled by its median measured/predicted time in that replay.
+   layout: each kind of step scaled by its measured over its predicted time in all in that
+   replay.
    A round's runs are predicted by the calibration taken just before them (this shared
    host's serving speed drifted by 1.0-1.4x over the 40 minutes of one validation, and a
    colocated engine's decode steps ran 1.6x the engine-only model in one session and 2.0x in
@@ -69,12 +72,31 @@ TOLERANCE_PP = 10.0  # a point passes when |mean measured - predicted| <= this
 PROBE_SLOWDOWN = 1.5  # a run is re-run when the machine probe around it took this x its fastest
 MAX_RERUNS = 2
 RANKING_MARGIN = 0.10  # layouts whose measured goodputs differ by more must be ranked alike
+# the 1-core profile of the host on which the default SLOs and the interference trace's pace
+# were chosen (Xeon with AVX512-BF16, bf16); other hosts scale both by host_scale()
+REFERENCE_PROFILE = RESULTS / "reference_profile_1core.json"
 
 
 def run_profile(out: Path, cores: str, threads: int, model: str, repeats: int) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "GLOO_SOCKET_IFNAME": "lo"}
     subprocess.run(["taskset", "-c", cores, sys.executable, "-m", "cluster.cli", "profile", "--model", model,
                     "--out", str(out), "--repeats", str(repeats)], check=True, env=env, cwd=ROOT)
+
+
+def host_scale(profile, reference) -> float:
+    """How many times slower this host's engine is than the reference host's: the geometric
+    mean of the ratios of the predicted time of a 2048-token prompt's prefill and of a decode
+    step of 8 requests at 256 context tokens each, from the two hosts' 1-core profiles.
+
+    Why: SLOs fixed in seconds, and a trace's fixed arrival times, mean something else on a
+    host whose engine runs at another speed (measured: a host without AVX-512, in fp32, ran
+    SmolLM2's 1-core decode steps at ~100 ms against the reference host's ~22 ms; the 40 ms
+    TPOT SLO that separates the layouts there is one no layout meets here)."""
+    from engine.profile import prefill_seconds
+
+    ratios = (prefill_seconds(profile, 2048) / prefill_seconds(reference, 2048),
+              profile.decode_step_s(8, 8 * 256) / reference.decode_step_s(8, 8 * 256))
+    return (ratios[0] * ratios[1]) ** 0.5
 
 
 def measured_latencies(results: list[dict]) -> list[tuple[float | None, float | None]]:
@@ -322,13 +344,19 @@ def plot(result: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
-    parser.add_argument("--ttft-slo", type=float, default=4.0)
-    parser.add_argument("--tpot-slo", type=float, default=0.2)
+    parser.add_argument("--ttft-slo", type=float, default=4.0,
+                        help="TTFT SLO in seconds on the reference host; scaled by --host-scale")
+    parser.add_argument("--tpot-slo", type=float, default=0.2,
+                        help="TPOT SLO in seconds on the reference host; scaled by --host-scale")
     parser.add_argument("--also-slos", default="4:0.04,1:0.2",
-                        help="more TTFT:TPOT pairs (seconds) at which the same runs are judged; the default's "
-                             "40 ms TPOT lies between a lone decode worker's steps and a colocated engine's "
-                             "with prompt chunks mixed in (where the layouts part), 1 s TTFT below the long "
-                             "prompts' prefill")
+                        help="more TTFT:TPOT pairs (seconds on the reference host, scaled by --host-scale) at "
+                             "which the same runs are judged; the default's 40 ms TPOT lies between a lone "
+                             "decode worker's steps and a colocated engine's with prompt chunks mixed in (where "
+                             "the layouts part), 1 s TTFT below the long prompts' prefill")
+    parser.add_argument("--host-scale", default="auto",
+                        help="multiply the SLOs and the interference trace's arrival times by this; 'auto': "
+                             "this host's engine speed against the reference host's (host_scale, from the "
+                             "profiles), so that the SLOs and the trace's load sit where they did there")
     parser.add_argument("--requests", type=int, default=40, help="requests of the online trace per rate")
     parser.add_argument("--repeats", type=int, default=3, help="replays of every point")
     parser.add_argument("--profile-repeats", type=int, default=3)
@@ -361,8 +389,15 @@ def main() -> None:
         run_profile(one_core, "0", 1, model_dir, args.profile_repeats)
         run_profile(two_cores, "0,1", 2, model_dir, args.profile_repeats)
     engine_only = {"disaggregated": Profile.load(one_core), "colocated": Profile.load(two_cores)}
-    slo = SLO(args.ttft_slo, args.tpot_slo)
-    slos = [slo, *parse_slos(args.also_slos, slo.percentile)]
+    try:
+        scale = round(host_scale(engine_only["disaggregated"], Profile.load(REFERENCE_PROFILE))
+                      if args.host_scale == "auto" else float(args.host_scale), 2)
+    except ValueError as exc:
+        raise SystemExit(f"--host-scale: expected 'auto' or a number, got {args.host_scale!r} ({exc})") from exc
+    print(f"host scale {scale:.2f}: SLOs and the interference trace's arrival times x{scale:.2f}", flush=True)
+    slo = SLO(args.ttft_slo * scale, args.tpot_slo * scale)
+    slos = [slo, *(SLO(s.ttft_s * scale, s.tpot_s * scale, s.percentile)
+                   for s in parse_slos(args.also_slos, slo.percentile))]
     local = ServeConfig().local_prefill_max_tokens  # what the decode workers will do
     layouts = {"disaggregated": {"prefill.replicas": 1, "decode.replicas": 1, "prefill.cpu_affinity": [0],
                                  "decode.cpu_affinity": [1]},
@@ -381,7 +416,8 @@ def main() -> None:
     os.environ[STEP_LOG_ENV] = str(step_dir)  # the workers inherit it from the Ray node
     points: dict[str, dict] = {}
     result = {"slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "percentile": slo.percentile},
-              "slos": [slo_name(s) for s in slos], "local_prefill_max_tokens": local, "repeats": args.repeats,
+              "slos": [slo_name(s) for s in slos], "host_scale": scale,
+              "local_prefill_max_tokens": local, "repeats": args.repeats,
               "points": points}
     # serving calibration: online-poisson requests 100-159 (none of them replayed below) at
     # the engine-only 1P+1D capacity
@@ -401,7 +437,7 @@ def main() -> None:
                 work = rescale(online, capacity * factor)[: args.requests]
                 points[f"online/{factor}x"] = {"layout": "disaggregated", "work": work, "rate": capacity * factor}
         if "interference" in args.points:
-            work = load_trace(WORKLOADS / "interference.jsonl")
+            work = [replace(r, arrival_s=r.arrival_s * scale) for r in load_trace(WORKLOADS / "interference.jsonl")]
             points["interference/disaggregated"] = {"layout": "disaggregated", "work": work}
             points["interference/colocated"] = {"layout": "colocated", "work": work}
         for point in points.values():

@@ -341,3 +341,20 @@ def test_calibration_recovers_how_much_slower_serving_steps_are():
     assert few.colocated_coeffs == pytest.approx(profile.scaled(prefill=1.3, decode=1.1).colocated_coeffs)
     decode_only = calibrate(profile, [s for s in steps if not s["T"]])  # and unlogged prefill keeps its own
     assert decode_only.prefill_coeffs == profile.prefill_coeffs
+
+
+def test_calibration_matches_the_steps_total_time_not_the_typical_step():
+    """A TPOT is a sum of steps: the calibrated model must reproduce the steps' total even
+    when a few of them (preempted, or the large ones) ran much slower than the rest."""
+    from cluster.planner.calibrate import calibrate
+
+    profile = Profile("m", (0.02, 0.001, 1e-7), (0.03, 0.002, 1e-6), 1000, 1e9)
+    shapes = [(b, b * 300) for b in (1, 2, 4, 8, 16, 32, 48, 64)] * 3
+    slow = {5, 6, 7}  # three of the 24 steps ran 3x the model, the rest 1.1x
+    steps = [{"T": 0, "Q": 0, "B": b, "C": c, "s": profile.decode_step_s(b, c) * (3.0 if i in slow else 1.1)}
+             for i, (b, c) in enumerate(shapes)]
+    calibrated = calibrate(profile, steps)
+    assert sum(calibrated.decode_step_s(s["B"], s["C"]) for s in steps) == pytest.approx(sum(s["s"] for s in steps))
+    record = calibrated.samples["serving_calibration"]
+    assert record["median_ratios"]["decode"] == pytest.approx(1.1)  # the typical step, kept for the record
+    assert record["factors"]["decode"] > 1.1
