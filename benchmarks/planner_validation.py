@@ -73,7 +73,7 @@ PROBE_SLOWDOWN = 1.5  # a run is re-run when the machine probe around it took th
 MAX_RERUNS = 2
 RANKING_MARGIN = 0.10  # layouts whose measured goodputs differ by more must be ranked alike
 # the 1-core profile of the host on which the default SLOs and the interference trace's pace
-# were chosen (Xeon with AVX512-BF16, bf16); other hosts scale both by host_scale()
+# were chosen (AMD EPYC Zen 5 with AVX512-BF16, bf16); other hosts scale both by host_scale()
 REFERENCE_PROFILE = RESULTS / "reference_profile_1core.json"
 
 
