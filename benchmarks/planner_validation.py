@@ -9,7 +9,8 @@
    (engine.step_log), `--settle-runs` times discarded (serving ran slower in the first
    minutes after start); then, at the start of every round of repeats, once more in each
    layout: each kind of step scaled by its measured over its predicted time in all in that
-   replay.
+   replay, and the first-token overhead (the serving path's fixed cost of a first token
+   beside the engine steps) set to the replay's median measured minus simulated TTFT.
    A round's runs are predicted by the calibration taken just before them (this shared
    host's serving speed drifted by 1.0-1.4x over the 40 minutes of one validation, and a
    colocated engine's decode steps ran 1.6x the engine-only model in one session and 2.0x in
@@ -121,11 +122,19 @@ def run_attainment(latencies: dict, slo) -> dict:
             for name in ("measured", "predicted", "predicted_pooled", "predicted_engine_only", "own_speed")}
 
 
-def cpu_times() -> tuple[int, int] | None:
-    """(steal, total) jiffies of all CPUs since boot, from /proc/stat; None where there is none."""
+def proc_stat() -> list[int] | None:
+    """All CPUs' jiffies since boot by state (user, nice, system, idle, iowait, irq,
+    softirq, steal, ...), from /proc/stat; None where there is none."""
     try:
-        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     except (OSError, ValueError):
+        return None
+
+
+def cpu_times() -> tuple[int, int] | None:
+    """(steal, total) jiffies of all CPUs since boot; None where unknown."""
+    fields = proc_stat()
+    if fields is None:
         return None
     return fields[7] if len(fields) > 7 else 0, sum(fields[:8])
 
@@ -166,10 +175,37 @@ def parse_slos(text: str, percentile: float, option: str = "--also-slos") -> lis
         raise SystemExit(f"{option}: expected TTFT:TPOT pairs in seconds, e.g. 4:0.04,1:0.2 ({exc})") from exc
 
 
+def wait_until_quiet(busy_below: float = 0.1, window_s: float = 1.0, max_wait_s: float = 30.0) -> float:
+    """Wait until this machine's CPUs were busy less than `busy_below` of a `window_s`
+    window (/proc/stat), at most `max_wait_s`; returns the seconds waited. Why: a stopped
+    service's Ray workers take seconds to exit, and a probe run during their teardown read
+    1.5-2.1x its fastest time and re-ran a third of a validation's runs on a 2-core host."""
+    def busy_and_total() -> tuple[int, int] | None:
+        fields = proc_stat()
+        if fields is None or len(fields) < 4:
+            return None
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        return sum(fields[:8]) - idle, sum(fields[:8])
+
+    start = time.monotonic()
+    while time.monotonic() - start < max_wait_s:
+        before = busy_and_total()
+        time.sleep(window_s)
+        after = busy_and_total()
+        if before is None or after is None or after[1] <= before[1]:
+            break
+        if (after[0] - before[0]) / (after[1] - before[1]) < busy_below:
+            break
+    return time.monotonic() - start
+
+
 def machine_probe() -> float:
     """Seconds of a fixed piece of CPU work (fp32 matmuls and a 64 MB copy on 2 threads),
-    best of 3: this machine's own speed, independent of pdserve; run with no service up."""
+    best of 3, once the machine is quiet (wait_until_quiet): this machine's own speed,
+    independent of pdserve; run with no service up."""
     import torch
+
+    wait_until_quiet()
 
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -372,7 +408,7 @@ def main() -> None:
 
     from benchmarks.prefix_reuse import local_ray, workload_rows
     from cluster.config import ServeConfig
-    from cluster.planner.calibrate import calibrate
+    from cluster.planner.calibrate import calibrate, with_first_token_overhead
     from cluster.planner.search import SLO, lengths_of, phase_curve
     from cluster.planner.simulator import attainment
     from cluster.planner.workload import load_trace, rescale
@@ -425,6 +461,13 @@ def main() -> None:
     calibration_work = calibration_trace[100:160]
     # before every replay: requests 160-171 at the same rate, outputs cut to 32 tokens
     warmup = to_replay([replace(r, output_len=min(r.output_len, 32)) for r in calibration_trace[160:172]], seed=1)
+
+    def first_token_calibrated(profile, layout: str, replays: list[list]):
+        """`profile` with the first-token overhead that calibration `replays` (each one's
+        measured latencies of calibration_work, replayed in `layout`) showed beyond it."""
+        simulated_ttft = [ttft for ttft, _ in prediction(profile, layout, calibration_work)]
+        return with_first_token_overhead(profile, [ttft for measured in replays for ttft, _ in measured],
+                                         simulated_ttft * len(replays))
 
     def define_points(calibrated) -> None:
         """The points replayed: online-poisson at 0.7x, 1.0x and 1.3x the 1P+1D capacity that
@@ -479,10 +522,13 @@ def main() -> None:
                       flush=True)
                 steps, record = replay_calibration(layout)
                 round_steps[layout].append(steps)
-                profiles[layout] = calibrate(engine_only[layout], steps)
+                profiles[layout] = first_token_calibrated(calibrate(engine_only[layout], steps), layout,
+                                                          [record["latencies"]])
                 record["factors"] = profiles[layout].samples["serving_calibration"]["factors"]
+                record["first_token_overhead_s"] = profiles[layout].first_token_overhead_s
                 result["calibration"][layout]["rounds"].append(record)
-                print(f"  calibrated factors {record['factors']}", flush=True)
+                print(f"  calibrated factors {record['factors']}, first-token overhead "
+                      f"{record['first_token_overhead_s'] * 1000:.0f} ms", flush=True)
             if repeat == 0:  # the points, at rates from the first round's calibrated capacity
                 define_points(profiles["disaggregated"])
             for name, point in points.items():
@@ -509,7 +555,9 @@ def main() -> None:
                 latencies = {"measured": rounded(measured_latencies(measured)),
                              "predicted": prediction(profiles[layout], layout, work),
                              "predicted_engine_only": prediction(engine_only[layout], layout, work),
-                             "own_speed": prediction(calibrate(engine_only[layout], steps), layout, work)}
+                             "own_speed": prediction(replace(calibrate(engine_only[layout], steps),
+                                                             first_token_overhead_s=profiles[layout]
+                                                             .first_token_overhead_s), layout, work)}
                 run = {"latencies": latencies, "round": repeat,
                        "requests": len(measured), "span_s": work[-1].arrival_s - work[0].arrival_s,
                        "errors": sum(r["error"] is not None for r in measured), "results": measured, "work": work,
@@ -522,8 +570,9 @@ def main() -> None:
                 print(f"  predicted {at['predicted']:.0%} (engine-only profile {at['predicted_engine_only']:.0%}), "
                       f"measured {at['measured']:.0%}, CPU steal {steal:.1%}", flush=True)
     # the diagnostic "one calibration for the whole session": every round's calibration pooled
-    pooled = {layout: calibrate(engine_only[layout], [s for steps in round_steps[layout] for s in steps])
-              for layout in layouts}
+    pooled = {layout: first_token_calibrated(
+        calibrate(engine_only[layout], [s for steps in round_steps[layout] for s in steps]), layout,
+        [record["latencies"] for record in result["calibration"][layout]["rounds"]]) for layout in layouts}
     for layout, profile in pooled.items():
         result["calibration"][layout]["pooled"] = profile.samples["serving_calibration"]
     for point in points.values():

@@ -38,6 +38,10 @@ class Profile:
     max_num_seqs: int = 256
     kv_capacity_tokens: int = 1 << 20
     colocated_coeffs: tuple[float, ...] | None = None  # c0..c6 (None: from the two above)
+    # serving's fixed cost of a first token beyond the engine steps that make it: HTTP, the
+    # router, the RPCs to the workers, streaming it back (0 for the engine alone; serving
+    # calibration measures it, cluster.planner.calibrate.with_first_token_overhead)
+    first_token_overhead_s: float = 0.0
     samples: dict = field(default_factory=dict, compare=False)  # raw measurements, for the record
 
     def __post_init__(self) -> None:
@@ -49,6 +53,9 @@ class Profile:
                                                    for c in coeffs):
                 count = " or ".join(map(str, sizes))
                 raise ValueError(f"profile {name} must be {count} finite non-negative numbers, got {coeffs!r}")
+        overhead = self.first_token_overhead_s
+        if not (isinstance(overhead, int | float) and math.isfinite(overhead) and overhead >= 0):
+            raise ValueError(f"profile first_token_overhead_s must be a finite number >= 0, got {overhead!r}")
         if not self.kv_bandwidth_bytes_per_s > 0 or self.kv_bytes_per_token < 0:
             raise ValueError("profile kv_bandwidth_bytes_per_s must be > 0 and kv_bytes_per_token >= 0")
         for name in ("max_num_batched_tokens", "max_num_seqs", "kv_capacity_tokens"):

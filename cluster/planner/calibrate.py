@@ -7,7 +7,10 @@ KV-transfer threads beside its engine (measured on this 2-core machine: serving 
 1.2-1.7x the engine-alone model; benchmarks/planner_validation.py). A step log recorded
 while serving (PDSERVE_STEP_LOG, engine.step_log) measures it: for each kind of step --
 prefill only, decode only, mixed (prompt chunks beside running decodes) -- the kind's
-measured seconds in all over its predicted seconds in all scales its coefficients.
+measured seconds in all over its predicted seconds in all scales its coefficients. What
+no step log shows -- the first token's way from the client through the router to an engine
+and back -- is a fixed first-token overhead, set from measured against simulated TTFTs
+(with_first_token_overhead).
 
 Why totals and not the median step: a TPOT is a sum of the steps a request lived through,
 and a TTFT a sum of prompt chunks, so what the model must get right is the time the steps
@@ -76,3 +79,28 @@ def calibrate(profile: Profile, steps: list[dict]) -> Profile:
               "median_ratios": {kind: statistics.median(r) for kind, r in step_ratios(profile, steps).items()}}
     return replace(calibrated, samples={**profile.samples, "serving_calibration": record})
 
+
+
+def with_first_token_overhead(profile: Profile, measured_ttft_s: list[float | None],
+                              simulated_ttft_s: list[float | None]) -> Profile:
+    """`profile` with `first_token_overhead_s` set to the median of measured minus simulated
+    TTFT over the requests both have (None: failed or not simulated), at least 0; recorded
+    in samples["serving_calibration"]["first_token_overhead_s"].
+
+    `simulated_ttft_s` is the same requests simulated with `profile` (its own overhead, if
+    any, is replaced, not added to). What it measures: the time from a request reaching the
+    router to its first token reaching the client, beyond the engine steps that made the
+    token -- HTTP, routing, the RPCs to the workers, streaming the token back. On a 2-core
+    host serving SmolLM2 it was 150-250 ms per request (planner_validation's own-speed
+    diagnostic), and a TTFT SLO near a prompt's prefill time is missed by that much. The
+    median, not the mean: a few requests queued differently in the real run than in the
+    simulation must not set it."""
+    gaps = [m - s for m, s in zip(measured_ttft_s, simulated_ttft_s, strict=True) if m is not None and s is not None]
+    if not gaps:
+        raise ValueError("no request has both a measured and a simulated TTFT to calibrate a first-token overhead")
+    own = profile.first_token_overhead_s
+    overhead = max(0.0, statistics.median(gaps) + own)
+    record = {**profile.samples.get("serving_calibration", {}), "first_token_overhead_s": overhead,
+              "first_token_requests": len(gaps)}
+    return replace(profile, first_token_overhead_s=overhead,
+                   samples={**profile.samples, "serving_calibration": record})

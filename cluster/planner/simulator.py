@@ -11,6 +11,8 @@
   then prefill chunks under the same budget), as engine.scheduler does; a step takes the
   model of its kind (Profile.step_s: the mixed-step model only where prompt chunks and
   decodes share it), as the serving calibration measures it;
+- a first token reaches its client `first_token_overhead_s` (Profile) after the step that
+  made it: serving's fixed cost beside the engines (HTTP, router, RPCs, streaming);
 - prefix caching: a request's `cached_len` leading prompt tokens are neither computed nor
   shipped (attention still spans them); a disaggregated request whose uncached tokens are
   at most `local_prefill_max_tokens` is prefilled on its decode instance, mixed into its
@@ -123,7 +125,8 @@ class _Simulation:
             else:
                 self._decode_step_done(now, payload)
         self.done.sort(key=lambda j: j.index)
-        ttft = [j.first_token_s - j.req.arrival_s for j in self.done]
+        overhead = self.p.first_token_overhead_s
+        ttft = [j.first_token_s - j.req.arrival_s + overhead for j in self.done]
         tpot_all = [((j.finish_s - j.first_token_s) / (j.req.output_len - 1)) if j.req.output_len > 1 else None
                     for j in self.done]
         return SimResult(ttft, [x for x in tpot_all if x is not None], now, tpot_all)

@@ -2,6 +2,7 @@
 monotonicity, infeasible SLOs, malformed inputs, and the autoscaler's decisions."""
 
 import json
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -358,3 +359,45 @@ def test_calibration_matches_the_steps_total_time_not_the_typical_step():
     record = calibrated.samples["serving_calibration"]
     assert record["median_ratios"]["decode"] == pytest.approx(1.1)  # the typical step, kept for the record
     assert record["factors"]["decode"] > 1.1
+
+
+def test_a_first_token_overhead_delays_every_first_token_and_no_later_one():
+    profile = Profile("hand", (0.1, 0.001, 0.0), (0.01, 0.002, 1e-5), 1000, 1e6, max_num_batched_tokens=512)
+    work = [SimRequest(0.0, 300, 5), SimRequest(0.2, 100, 1), SimRequest(0.4, 200, 8)]
+    plain = simulate(profile, work, prefill=1, decode=1)
+    slow = simulate(replace(profile, first_token_overhead_s=0.25), work, prefill=1, decode=1)
+    assert slow.ttft_s == pytest.approx([t + 0.25 for t in plain.ttft_s])
+    assert slow.tpot_s == pytest.approx(plain.tpot_s)
+    colocated = simulate(replace(profile, first_token_overhead_s=0.25), work, 0, 1, colocated=True)
+    assert colocated.ttft_s == pytest.approx([t + 0.25 for t in simulate(profile, work, 0, 1, True).ttft_s])
+
+
+def test_first_token_calibration_takes_the_median_gap_and_replaces_an_earlier_one(tmp_path):
+    from cluster.planner.calibrate import with_first_token_overhead
+
+    profile = Profile("m", (0.02, 0.001, 1e-7), (0.03, 0.002, 1e-6), 1000, 1e9)
+    work = [SimRequest(0.5 * i, 100 + 50 * i, 4) for i in range(9)]
+    simulated = simulate(profile, work, 1, 1).ttft_s
+    # 7 of 9 requests reached their client 0.2 s after the model's first token; two queued
+    # behind something the simulation did not have, seconds later; one failed (None)
+    measured = [t + 0.2 for t in simulated]
+    measured[3] += 3.0
+    measured[7] += 5.0
+    measured[8] = None
+    calibrated = with_first_token_overhead(profile, measured, simulated)
+    assert calibrated.first_token_overhead_s == pytest.approx(0.2)
+    assert calibrated.samples["serving_calibration"]["first_token_overhead_s"] == pytest.approx(0.2)
+    again = simulate(calibrated, work, 1, 1).ttft_s  # the calibrated model reproduces the typical request
+    assert again[:3] == pytest.approx(measured[:3])
+    # re-calibrating against its own simulation keeps it rather than adding to it
+    assert with_first_token_overhead(calibrated, measured, again).first_token_overhead_s == pytest.approx(0.2)
+    # a serving path faster than the model (clock skew, a lucky run) is no negative overhead
+    assert with_first_token_overhead(profile, [t - 0.1 for t in simulated], simulated).first_token_overhead_s == 0
+    with pytest.raises(ValueError, match="no request has both"):
+        with_first_token_overhead(profile, [None] * 9, simulated)
+    path = tmp_path / "profile.json"  # saved and loaded with the profile
+    path.write_text(calibrated.to_json())
+    assert Profile.load(path).first_token_overhead_s == pytest.approx(0.2)
+    path.write_text(json.dumps({**json.loads(calibrated.to_json()), "first_token_overhead_s": -1}))
+    with pytest.raises(ValueError, match="first_token_overhead_s"):
+        Profile.load(path)
