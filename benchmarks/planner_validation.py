@@ -72,7 +72,16 @@ WORKLOADS = ROOT.parent / "shared" / "workloads"
 TOLERANCE_PP = 10.0  # a point passes when |mean measured - predicted| <= this
 PROBE_SLOWDOWN = 1.5  # a run is re-run when the machine probe around it took this x its fastest
 MAX_RERUNS = 2
+# each run is also predicted with every step SPEED_STEP faster and slower than calibrated: a
+# point's attainment change per 1% of step time (speed_sensitivity_pp) says how far the
+# host's drift between a calibration and a run moves it (colocated decode factors of one
+# session ranged 1.39-1.76 across identical calibration replays)
+SPEED_STEP = 0.05
 RANKING_MARGIN = 0.10  # layouts whose measured goodputs differ by more must be ranked alike
+# the two layouts compared, as service config overrides: 1P+1D on a core each, one colocated engine on both
+LAYOUTS = {"disaggregated": {"prefill.replicas": 1, "decode.replicas": 1, "prefill.cpu_affinity": [0],
+                             "decode.cpu_affinity": [1]},
+           "colocated": {"prefill.replicas": 0, "decode.replicas": 1, "decode.cpu_affinity": [0, 1]}}
 # the 1-core profile of the host on which the default SLOs and the interference trace's pace
 # were chosen (AMD EPYC Zen 5 with AVX512-BF16, bf16); other hosts scale both by host_scale()
 REFERENCE_PROFILE = RESULTS / "reference_profile_1core.json"
@@ -119,7 +128,8 @@ def run_attainment(latencies: dict, slo) -> dict:
     from cluster.planner.simulator import attainment
 
     return {name: attainment(latencies[name], slo.ttft_s, slo.tpot_s)
-            for name in ("measured", "predicted", "predicted_pooled", "predicted_engine_only", "own_speed")}
+            for name in ("measured", "predicted", "predicted_pooled", "predicted_engine_only", "own_speed",
+                         "predicted_faster", "predicted_slower") if name in latencies}
 
 
 def proc_stat() -> list[int] | None:
@@ -328,6 +338,9 @@ def summarize(point: dict, slo) -> dict:
            "measured_runs": measured, "measured_mean": statistics.mean(measured),
            "measured_min": min(measured), "measured_max": max(measured),
            "measured_stdev": statistics.stdev(measured) if len(measured) > 1 else 0.0}
+    if all("predicted_slower" in a for a in each):  # pp per 1% of step time, +-SPEED_STEP about the prediction
+        out["speed_sensitivity_pp"] = statistics.mean(a["predicted_faster"] - a["predicted_slower"]
+                                                      for a in each) * 100 / (2 * SPEED_STEP * 100)
     out["difference_pp"] = 100 * (out["measured_mean"] - out["predicted_attainment"])
     out["own_speed_difference_pp"] = 100 * (out["measured_mean"] - out["own_speed"])
     out["pass"] = abs(out["difference_pp"]) <= TOLERANCE_PP
@@ -435,9 +448,7 @@ def main() -> None:
     slos = [slo, *(SLO(s.ttft_s * scale, s.tpot_s * scale, s.percentile)
                    for s in parse_slos(args.also_slos, slo.percentile))]
     local = ServeConfig().local_prefill_max_tokens  # what the decode workers will do
-    layouts = {"disaggregated": {"prefill.replicas": 1, "decode.replicas": 1, "prefill.cpu_affinity": [0],
-                                 "decode.cpu_affinity": [1]},
-               "colocated": {"prefill.replicas": 0, "decode.replicas": 1, "decode.cpu_affinity": [0, 1]}}
+    layouts = LAYOUTS
     online = load_trace(WORKLOADS / "online-poisson.jsonl")
     lengths = lengths_of(online)
 
@@ -555,6 +566,10 @@ def main() -> None:
                 latencies = {"measured": rounded(measured_latencies(measured)),
                              "predicted": prediction(profiles[layout], layout, work),
                              "predicted_engine_only": prediction(engine_only[layout], layout, work),
+                             "predicted_faster": prediction(profiles[layout].scaled(1 - SPEED_STEP, 1 - SPEED_STEP),
+                                                            layout, work),
+                             "predicted_slower": prediction(profiles[layout].scaled(1 + SPEED_STEP, 1 + SPEED_STEP),
+                                                            layout, work),
                              "own_speed": prediction(replace(calibrate(engine_only[layout], steps),
                                                              first_token_overhead_s=profiles[layout]
                                                              .first_token_overhead_s), layout, work)}
@@ -598,14 +613,15 @@ def main() -> None:
     for s in slos:
         print(f"at {slo_name(s)} (p{s.percentile:g}):")
         print(f"{'point':28} {'predicted':>9} {'pooled':>6} {'engine-only':>11} {'measured mean':>13} "
-              f"{'min..max':>11} {'diff':>8}  pass  own-speed model (diagnostic)")
+              f"{'min..max':>11} {'diff':>8}  pass  own-speed model (diagnostic)  sensitivity")
         for name, p in points.items():
             a = p["by_slo"][slo_name(s)]
             print(f"{name:28} {a['predicted_attainment']:>9.0%} {a['predicted_pooled']:>6.0%} "
                   f"{a['predicted_engine_only']:>11.0%} "
                   f"{a['measured_mean']:>13.0%} {a['measured_min']:>5.0%}..{a['measured_max']:<4.0%} "
                   f"{a['difference_pp']:>+7.1f}pp  {a['pass']!s:5} "
-                  f"{a['own_speed']:>5.0%} ({a['own_speed_difference_pp']:+.1f}pp)")
+                  f"{a['own_speed']:>5.0%} ({a['own_speed_difference_pp']:+.1f}pp)"
+                  f"  {a.get('speed_sensitivity_pp', 0):.1f}pp per 1% of step time")
     for name, p in points.items():
         for run in p.get("disturbed_runs", []):
             print(f"{name}: a run re-run for a slow machine (probe {max(run['probe_s']):.3f}s, fastest "

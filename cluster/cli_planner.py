@@ -27,11 +27,16 @@ def add_commands(sub) -> None:
                                      "clients, the worker's own streaming and KV-transfer threads). Record a "
                                      "step log while serving (PDSERVE_STEP_LOG=DIR in the workers' "
                                      "environment), then scale each kind of step (prefill, decode, mixed) by "
-                                     "its median measured/predicted time.")
+                                     "its measured over its predicted time in all.")
     cal.add_argument("--profile", required=True, help="JSON from `pdserve profile`")
     cal.add_argument("--step-log", required=True, help="directory of the workers' step logs")
     cal.add_argument("--name", default="", help="only engines whose log names start with this (prefill, decode)")
     cal.add_argument("--out", required=True, help="calibrated profile JSON to write")
+    cal.add_argument("--first-token-overhead", type=float, default=None, metavar="SECONDS",
+                     help="serving's fixed cost of a first token beyond the engine steps that make it (HTTP, "
+                          "router, RPCs, streaming), added to every simulated TTFT: e.g. a lone short "
+                          "request's TTFT through the router minus the calibrated profile's prefill time "
+                          "for it (default: the profile's own, 0 for a fresh one)")
     cal.set_defaults(func=_calibrate)
 
     plan = sub.add_parser("plan", help="instances per pool to meet TTFT/TPOT SLOs at a rate",
@@ -81,6 +86,8 @@ def _profile(args) -> int:
 
 
 def _calibrate(args) -> int:
+    from dataclasses import replace
+
     from cluster.planner.calibrate import calibrate
     from engine.profile import Profile
     from engine.step_log import read_step_logs
@@ -91,6 +98,8 @@ def _calibrate(args) -> int:
         raise ValueError(f"no step records under {args.step_log} (set PDSERVE_STEP_LOG={args.step_log} in the "
                          f"workers' environment while they serve)")
     calibrated = calibrate(profile, steps)
+    if args.first_token_overhead is not None:
+        calibrated = replace(calibrated, first_token_overhead_s=args.first_token_overhead)
     Path(args.out).write_text(calibrated.to_json())
     record = calibrated.samples["serving_calibration"]
     print(f"wrote {args.out}: serving/engine-alone step time by kind {record['factors']} "

@@ -54,9 +54,17 @@ def test_profile_then_plan(tiny_llama_dir, tmp_path):
     calibrated = Profile.load(tmp_path / "calibrated.json")
     assert calibrated.decode_coeffs == pytest.approx(tuple(1.5 * c for c in profile.decode_coeffs))
     assert calibrated.prefill_coeffs == profile.prefill_coeffs
+    assert calibrated.first_token_overhead_s == 0  # none given, none in the profile
     out = pdserve("calibrate", "--profile", str(profile_path), "--step-log", str(tmp_path / "none"), "--out",
                   str(tmp_path / "x.json"))
     assert out.returncode == 2 and "no step records" in out.stderr
+    out = pdserve("calibrate", "--profile", str(profile_path), "--step-log", str(logs), "--out",
+                  str(tmp_path / "overhead.json"), "--first-token-overhead", "0.15")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert Profile.load(tmp_path / "overhead.json").first_token_overhead_s == 0.15
+    out = pdserve("calibrate", "--profile", str(profile_path), "--step-log", str(logs), "--out",
+                  str(tmp_path / "x.json"), "--first-token-overhead", "-1")
+    assert out.returncode == 2 and "first_token_overhead_s must be a finite number >= 0" in out.stderr
 
     trace = tmp_path / "trace.jsonl"
     trace.write_text("".join(json.dumps({"arrival_s": i * 0.1, "prompt_len": 64 + 16 * (i % 8), "max_tokens": 32})
