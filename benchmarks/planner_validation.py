@@ -517,7 +517,8 @@ def main() -> None:
 
         Why steal too: in one validation the three replays with 2.2-3.7% steal (two of them
         calibrations, unguarded then) ran 1.3-2.7x slower than the replays beside them, whose
-        steal was 0.0-0.6%, while the probe read only 1.0-1.4x its fastest."""
+        steal was 0.0-0.6%, and the probe around the run among them read 1.39x its fastest,
+        under PROBE_SLOWDOWN."""
         for attempt in range(MAX_RERUNS + 1):
             before, cpu = machine_probe(), cpu_times()
             measured, start, end = serve_and_drive(args.model, layouts[layout], drive, args.port, warmup)
