@@ -454,7 +454,6 @@ def main() -> None:
     slos = [slo, *(SLO(s.ttft_s * scale, s.tpot_s * scale, s.percentile)
                    for s in parse_slos(args.also_slos, slo.percentile))]
     local = ServeConfig().local_prefill_max_tokens  # what the decode workers will do
-    layouts = LAYOUTS
     online = load_trace(WORKLOADS / "online-poisson.jsonl")
     lengths = lengths_of(online)
 
@@ -521,7 +520,7 @@ def main() -> None:
         under PROBE_SLOWDOWN."""
         for attempt in range(MAX_RERUNS + 1):
             before, cpu = machine_probe(), cpu_times()
-            measured, start, end = serve_and_drive(args.model, layouts[layout], drive, args.port, warmup)
+            measured, start, end = serve_and_drive(args.model, LAYOUTS[layout], drive, args.port, warmup)
             steal = steal_fraction(cpu, cpu_times())
             probe = (before, machine_probe())
             probes["fastest"] = min(probes["fastest"], *probe)
@@ -543,7 +542,7 @@ def main() -> None:
         drive = trace_driver(args.model, to_replay(calibration_work))
         if discarded is None:
             cpu = cpu_times()
-            measured, start, end = serve_and_drive(args.model, layouts[layout], drive, args.port, warmup)
+            measured, start, end = serve_and_drive(args.model, LAYOUTS[layout], drive, args.port, warmup)
             machine = {"steal": steal_fraction(cpu, cpu_times())}
         else:
             measured, start, end, machine = guarded(layout, drive, discarded)
@@ -558,17 +557,17 @@ def main() -> None:
         # --settle-runs calibration replays per layout discarded, then one per layout at the
         # start of every round, whose calibration predicts that round's runs
         result["calibration_work"] = compact(calibration_work)
-        result["calibration"] = {layout: {"settle": [], "rounds": []} for layout in layouts}
+        result["calibration"] = {layout: {"settle": [], "rounds": []} for layout in LAYOUTS}
         for settle in range(args.settle_runs):
-            for layout in layouts:
+            for layout in LAYOUTS:
                 print(f"calibration (settling) {settle + 1}: {layout}, {len(calibration_work)} requests ...",
                       flush=True)
                 result["calibration"][layout]["settle"].append(replay_calibration(layout)[1])
-        round_steps: dict[str, list] = {layout: [] for layout in layouts}
+        round_steps: dict[str, list] = {layout: [] for layout in LAYOUTS}
         probes["fastest"] = min(machine_probe() for _ in range(3))
         for repeat in range(args.repeats):
             profiles = {}
-            for layout in layouts:
+            for layout in LAYOUTS:
                 print(f"[{repeat + 1}/{args.repeats}] calibration: {layout}, {len(calibration_work)} requests ...",
                       flush=True)
                 steps, record = replay_calibration(
@@ -613,7 +612,7 @@ def main() -> None:
     # the diagnostic "one calibration for the whole session": every round's calibration pooled
     pooled = {layout: first_token_calibrated(
         calibrate(engine_only[layout], [s for steps in round_steps[layout] for s in steps]), layout,
-        [record["latencies"] for record in result["calibration"][layout]["rounds"]]) for layout in layouts}
+        [record["latencies"] for record in result["calibration"][layout]["rounds"]]) for layout in LAYOUTS}
     for layout, profile in pooled.items():
         result["calibration"][layout]["pooled"] = profile.samples["serving_calibration"]
     for point in points.values():
