@@ -343,7 +343,7 @@ def summarize(point: dict, slo) -> dict:
            "measured_stdev": statistics.stdev(measured) if len(measured) > 1 else 0.0}
     if all("predicted_slower" in a for a in each):  # pp per 1% of step time, +-SPEED_STEP about the prediction
         out["speed_sensitivity_pp"] = statistics.mean(a["predicted_faster"] - a["predicted_slower"]
-                                                      for a in each) * 100 / (2 * SPEED_STEP * 100)
+                                                      for a in each) / (2 * SPEED_STEP)
     out["difference_pp"] = 100 * (out["measured_mean"] - out["predicted_attainment"])
     out["own_speed_difference_pp"] = 100 * (out["measured_mean"] - out["own_speed"])
     out["pass"] = abs(out["difference_pp"]) <= TOLERANCE_PP
