@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import statistics
@@ -67,6 +68,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.engine_probe import EngineProbe  # noqa: E402
 from benchmarks.report import panels, write  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -124,14 +126,16 @@ def rounded(latencies: list) -> list:
 
 def run_attainment(latencies: dict, slo) -> dict:
     """A run's attainment at `slo`: measured; predicted (the model calibrated at the start of
-    the run's round); under the pooled calibration of every round and the engine-only profile;
-    and under the diagnostic own-speed model (calibrated on the run's own steps: not a
-    prediction, since it needs the run; what is left of the error once the machine's speed
-    during the run is known)."""
+    the run's round, at the engine speed probed just before the run: at_speed); at the
+    round's calibration alone ("predicted_round"); under the pooled calibration of every
+    round and the engine-only profile; and under the diagnostic own-speed model (calibrated
+    on the run's own steps: not a prediction, since it needs the run; what is left of the
+    error once the machine's speed during the run is known)."""
     from cluster.planner.simulator import attainment
 
     return {name: attainment(latencies[name], slo.ttft_s, slo.tpot_s)
-            for name in ("measured", "predicted", "predicted_pooled", "predicted_engine_only", "own_speed",
+            for name in ("measured", "predicted", "predicted_round", "predicted_pooled", "predicted_engine_only",
+                         "own_speed",
                          "predicted_faster", "predicted_slower") if name in latencies}
 
 
@@ -162,6 +166,14 @@ def steal_fraction(before, after) -> float:
 def compact(work) -> list:
     """SimRequests as [arrival s, prompt, output, cached] rows (SimRequest(*row) restores one)."""
     return [[round(r.arrival_s, 4), r.prompt_len, r.output_len, r.cached_len] for r in work]
+
+
+def at_speed(profile, calibrated_at: dict, now: dict):
+    """`profile`, calibrated to serving while the engine probe (benchmarks.engine_probe) read
+    `calibrated_at`, at the speed it reads `now`: prefill steps scaled by the probe's prefill
+    time now over then, decode steps by its decode time, mixed steps term by term."""
+    return profile.scaled(prefill=now["prefill_s"] / calibrated_at["prefill_s"],
+                          decode=now["decode_s"] / calibrated_at["decode_s"])
 
 
 def simulated(profile, layout: str, work, local_prefill_max_tokens: int) -> list:
@@ -335,6 +347,7 @@ def summarize(point: dict, slo) -> dict:
     each = [run_attainment(r["latencies"], slo) for r in point["runs"]]
     measured = [a["measured"] for a in each]
     out = {"predicted_attainment": statistics.mean(a["predicted"] for a in each),
+           "predicted_round": statistics.mean(a.get("predicted_round", a["predicted"]) for a in each),
            "predicted_pooled": statistics.mean(a["predicted_pooled"] for a in each),
            "predicted_engine_only": statistics.mean(a["predicted_engine_only"] for a in each),
            "own_speed": statistics.mean(a["own_speed"] for a in each),
@@ -346,6 +359,7 @@ def summarize(point: dict, slo) -> dict:
                                                       for a in each) / (2 * SPEED_STEP)
     out["difference_pp"] = 100 * (out["measured_mean"] - out["predicted_attainment"])
     out["own_speed_difference_pp"] = 100 * (out["measured_mean"] - out["own_speed"])
+    out["round_difference_pp"] = 100 * (out["measured_mean"] - out["predicted_round"])
     out["pass"] = abs(out["difference_pp"]) <= TOLERANCE_PP
     per_s = point["requests"] / point["span_s"]
     out["measured_goodput_per_s"] = out["measured_mean"] * per_s
@@ -436,9 +450,9 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     one_core, two_cores = RESULTS / "profile_1core.json", RESULTS / "profile_2cores.json"
     profile_probes = []
+    model_dir = str(resolve_model(args.model))
     if not args.reuse_profiles:
         print("profiling ...", flush=True)
-        model_dir = str(resolve_model(args.model))
         profile_probes.append(machine_probe())
         run_profile(one_core, "0", 1, model_dir, args.profile_repeats)
         run_profile(two_cores, "0,1", 2, model_dir, args.profile_repeats)
@@ -506,6 +520,18 @@ def main() -> None:
                                          "drive": chat_driver(workload_rows("multi-turn-chat", args.chat_sessions))}
 
     probes = {"fastest": float("inf")}
+    engine_probes: dict[str, tuple] = {}  # layout -> (probe on the prefill side's cores, on the decode side's)
+
+    def engine_speed(layout: str) -> dict:
+        """The engine's speed now as `layout`'s workers would find it (EngineProbe, no service
+        up): the prefill step timed on the prefill side's cores, the decode steps on the
+        decode side's; the two sides probed at once."""
+        sides = engine_probes[layout]
+        unique = list(dict.fromkeys(sides))
+        for probe in unique:
+            probe.start()
+        read = {probe: probe.result() for probe in unique}
+        return {"prefill_s": read[sides[0]]["prefill_s"], "decode_s": read[sides[1]]["decode_s"]}
 
     def guarded(layout: str, drive, discarded: list) -> tuple[list[dict], float, float, dict]:
         """serve_and_drive in `layout`, re-run (at most MAX_RERUNS times) while this machine
@@ -519,14 +545,15 @@ def main() -> None:
         steal was 0.0-0.6%, and the probe around the run among them read 1.39x its fastest,
         under PROBE_SLOWDOWN."""
         for attempt in range(MAX_RERUNS + 1):
-            before, cpu = machine_probe(), cpu_times()
+            before = machine_probe()
+            speed_before, cpu = engine_speed(layout), cpu_times()
             measured, start, end = serve_and_drive(args.model, LAYOUTS[layout], drive, args.port, warmup)
             steal = steal_fraction(cpu, cpu_times())
             probe = (before, machine_probe())
             probes["fastest"] = min(probes["fastest"], *probe)
             disturbed = max(probe) > PROBE_SLOWDOWN * probes["fastest"] or steal > STEAL_LIMIT
             machine = {"probe_s": probe, "fastest_probe_s": probes["fastest"], "steal": steal,
-                       "machine_disturbed": disturbed}
+                       "engine_speed": (speed_before, engine_speed(layout)), "machine_disturbed": disturbed}
             if not disturbed or attempt == MAX_RERUNS:
                 return measured, start, end, machine
             discarded.append({"measured_attainment": attainment(measured_latencies(measured), slo.ttft_s,
@@ -543,7 +570,7 @@ def main() -> None:
         if discarded is None:
             cpu = cpu_times()
             measured, start, end = serve_and_drive(args.model, LAYOUTS[layout], drive, args.port, warmup)
-            machine = {"steal": steal_fraction(cpu, cpu_times())}
+            machine = {"steal": steal_fraction(cpu, cpu_times())}  # (no engine probe: not used to predict)
         else:
             measured, start, end, machine = guarded(layout, drive, discarded)
         steps = [s for s in read_step_logs(step_dir) if start <= s["t"] <= end]
@@ -553,7 +580,11 @@ def main() -> None:
               f"the engine-only model, CPU steal {record['steal']:.1%}", flush=True)
         return steps, record
 
-    with local_ray(4):
+    with local_ray(4), contextlib.ExitStack() as stack:
+        print("starting the engine probes ...", flush=True)
+        pinned = {cores: stack.enter_context(EngineProbe(model_dir, cores, threads))
+                  for cores, threads in (("0", 1), ("1", 1), ("0,1", 2))}
+        engine_probes.update(disaggregated=(pinned["0"], pinned["1"]), colocated=(pinned["0,1"], pinned["0,1"]))
         # --settle-runs calibration replays per layout discarded, then one per layout at the
         # start of every round, whose calibration predicts that round's runs
         result["calibration_work"] = compact(calibration_work)
@@ -566,7 +597,7 @@ def main() -> None:
         round_steps: dict[str, list] = {layout: [] for layout in LAYOUTS}
         probes["fastest"] = min(machine_probe() for _ in range(3))
         for repeat in range(args.repeats):
-            profiles = {}
+            profiles, calibrated_at = {}, {}
             for layout in LAYOUTS:
                 print(f"[{repeat + 1}/{args.repeats}] calibration: {layout}, {len(calibration_work)} requests ...",
                       flush=True)
@@ -575,6 +606,7 @@ def main() -> None:
                 round_steps[layout].append(steps)
                 profiles[layout] = first_token_calibrated(calibrate(engine_only[layout], steps), layout,
                                                           [record["latencies"]])
+                calibrated_at[layout] = record["engine_speed"][0]
                 record["factors"] = profiles[layout].samples["serving_calibration"]["factors"]
                 record["first_token_overhead_s"] = profiles[layout].first_token_overhead_s
                 result["calibration"][layout]["rounds"].append(record)
@@ -589,13 +621,13 @@ def main() -> None:
                                                         point.setdefault("disturbed_runs", []))
                 work = point["work"] or observed_work(measured)
                 steps = [s for s in read_step_logs(step_dir) if start <= s["t"] <= end]
+                now = at_speed(profiles[layout], calibrated_at[layout], machine["engine_speed"][0])
                 latencies = {"measured": rounded(measured_latencies(measured)),
-                             "predicted": prediction(profiles[layout], layout, work),
+                             "predicted": prediction(now, layout, work),
+                             "predicted_round": prediction(profiles[layout], layout, work),
                              "predicted_engine_only": prediction(engine_only[layout], layout, work),
-                             "predicted_faster": prediction(profiles[layout].scaled(1 - SPEED_STEP, 1 - SPEED_STEP),
-                                                            layout, work),
-                             "predicted_slower": prediction(profiles[layout].scaled(1 + SPEED_STEP, 1 + SPEED_STEP),
-                                                            layout, work),
+                             "predicted_faster": prediction(now.scaled(1 - SPEED_STEP, 1 - SPEED_STEP), layout, work),
+                             "predicted_slower": prediction(now.scaled(1 + SPEED_STEP, 1 + SPEED_STEP), layout, work),
                              "own_speed": prediction(replace(calibrate(engine_only[layout], steps),
                                                              first_token_overhead_s=profiles[layout]
                                                              .first_token_overhead_s), layout, work)}
@@ -604,10 +636,12 @@ def main() -> None:
                        "errors": sum(r["error"] is not None for r in measured), "results": measured, "work": work,
                        "steps_vs_engine_only": step_errors(steps, engine_only[layout]),
                        "steps_vs_calibrated": step_errors(steps, profiles[layout]),
+                       "steps_vs_predicted": step_errors(steps, now),
                        **machine, "wall_s": (start, end)}
                 point["runs"].append(run)
                 at = {name: attainment(lat, slo.ttft_s, slo.tpot_s) for name, lat in latencies.items()}
-                print(f"  predicted {at['predicted']:.0%} (engine-only profile {at['predicted_engine_only']:.0%}), "
+                print(f"  predicted {at['predicted']:.0%} (round's calibration alone {at['predicted_round']:.0%}, "
+                      f"engine-only profile {at['predicted_engine_only']:.0%}), "
                       f"measured {at['measured']:.0%}, CPU steal {machine['steal']:.1%}", flush=True)
     # the diagnostic "one calibration for the whole session": every round's calibration pooled
     pooled = {layout: first_token_calibrated(
@@ -641,11 +675,12 @@ def main() -> None:
     write(result, args.out, plot)
     for s in slos:
         print(f"at {slo_name(s)} (p{s.percentile:g}):")
-        print(f"{'point':28} {'predicted':>9} {'pooled':>6} {'engine-only':>11} {'measured mean':>13} "
+        print(f"{'point':28} {'predicted':>9} {'round':>5} {'pooled':>6} {'engine-only':>11} {'measured mean':>13} "
               f"{'min..max':>11} {'diff':>8}  pass  own-speed model (diagnostic)  sensitivity")
         for name, p in points.items():
             a = p["by_slo"][slo_name(s)]
-            print(f"{name:28} {a['predicted_attainment']:>9.0%} {a['predicted_pooled']:>6.0%} "
+            print(f"{name:28} {a['predicted_attainment']:>9.0%} {a['predicted_round']:>5.0%} "
+                  f"{a['predicted_pooled']:>6.0%} "
                   f"{a['predicted_engine_only']:>11.0%} "
                   f"{a['measured_mean']:>13.0%} {a['measured_min']:>5.0%}..{a['measured_max']:<4.0%} "
                   f"{a['difference_pp']:>+7.1f}pp  {a['pass']!s:5} "

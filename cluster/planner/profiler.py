@@ -35,7 +35,7 @@ def profile_engine(config: EngineConfig, repeats: int = 3, progress=print) -> Pr
         for pieces in (1, 4):
             if tokens // pieces < 8:
                 continue
-            seconds = _prefill_step(engine, [tokens // pieces] * pieces, repeats)
+            seconds = time_prefill_step(engine, [tokens // pieces] * pieces, repeats)
             squared = pieces * (tokens // pieces) ** 2
             prefill_samples.append((tokens // pieces * pieces, squared, seconds))
             progress(f"prefill {pieces} x {tokens // pieces} tokens: {seconds * 1000:.1f} ms")
@@ -44,7 +44,7 @@ def profile_engine(config: EngineConfig, repeats: int = 3, progress=print) -> Pr
         for context in (64, 128, 512):
             if batch > config.max_num_seqs or context + 16 >= max_len or batch * context > 8192:
                 continue  # (the cap keeps the prefill needed to reach the batch short)
-            seconds = _decode_step(engine, batch, context, repeats)
+            seconds = time_decode_step(engine, batch, context, repeats)
             decode_samples.append((batch, batch * context, seconds))
             progress(f"decode batch {batch} x {context} context: {seconds * 1000:.1f} ms")
     mixed_samples = []
@@ -81,7 +81,9 @@ def _ids(n: int, seed: int | None = None) -> list[int]:
     return torch.randint(3, 1000, (n,), generator=generator).tolist()
 
 
-def _prefill_step(engine: LLMEngine, lengths: list[int], repeats: int) -> float:
+def time_prefill_step(engine: LLMEngine, lengths: list[int], repeats: int) -> float:
+    """Median seconds of one step prefilling fresh prompts of `lengths` together (a warm-up
+    round first, then `repeats` timed)."""
     times = []
     for r in range(repeats + 1):
         for i, n in enumerate(lengths):
@@ -107,7 +109,9 @@ def _start_decodes(engine: LLMEngine, batch: int, context: int, steps: int, tag:
         engine.step()
 
 
-def _decode_step(engine: LLMEngine, batch: int, context: int, repeats: int) -> float:
+def time_decode_step(engine: LLMEngine, batch: int, context: int, repeats: int) -> float:
+    """Median seconds of a decode step of `batch` running requests of `context` prompt tokens
+    each, over about `repeats` + 2 steps (the last, emptier one left out)."""
     _start_decodes(engine, batch, context, repeats + 3, "dc")
     times = []
     while engine.has_unfinished_requests():

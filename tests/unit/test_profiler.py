@@ -16,7 +16,7 @@ def engine(tiny_llama_dir):
 
 def test_timed_prefills_compute_every_prompt_token(engine):
     before = engine.num_prefill_tokens_computed
-    profiler._prefill_step(engine, [64] * 4, repeats=2)
+    profiler.time_prefill_step(engine, [64] * 4, repeats=2)
     assert engine.num_prefill_tokens_computed - before == 3 * 4 * 64  # warm-up round + 2 timed rounds
     assert engine.scheduler.num_cache_hit_tokens == 0
 
