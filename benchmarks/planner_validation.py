@@ -16,7 +16,13 @@
    colocated engine's decode steps ran 1.6x the engine-only model in one session and 2.0x in
    another: a calibration taken once, up front, predicts the host's drift into every later
    run, which is not the planner's error; every round's calibration pooled is reported
-   beside it as "predicted_pooled");
+   beside it as "predicted_pooled"), at the engine's speed read just before each run: an
+   engine probe (benchmarks.engine_probe: a few seconds of fixed prefill and decode steps
+   on the workers' cores, with no service up) is read before every calibration replay and
+   every run, and the round's calibrated profile is scaled by the probe's time before the
+   run over its time before the calibration (at_speed; measured: in one validation a run's
+   decode steps took 0.38-1.65x what its round's calibration, 2-20 minutes before, said;
+   the round's calibration alone is reported beside it as "predicted_round");
 3. predict SLO attainment with the simulator under the serving configuration's own
    policies (a decode worker prefills a prompt of at most `local_prefill_max_tokens`
    itself), with the engine-only profile's prediction beside it: online-poisson (its
