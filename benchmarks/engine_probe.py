@@ -35,8 +35,8 @@ KV_CACHE_BYTES = 64 << 20  # enough for the probe's few hundred tokens; leaves t
 
 
 class EngineProbe:
-    """An engine process pinned to `cores` with `threads` threads; `measure()` returns
-    {"prefill_s": seconds of the 128-token prefill step, "decode_s": seconds of the batch-1
+    """An engine process pinned to `cores` with `threads` threads; `start()` then `result()`
+    reads {"prefill_s": seconds of the 128-token prefill step, "decode_s": seconds of the batch-1
     and batch-8 decode steps together}, medians over PREFILL_REPEATS and DECODE_REPEATS
     steps. Close it (or use `with`)."""
 
@@ -48,17 +48,13 @@ class EngineProbe:
         self._read()  # "ready" once the model is loaded and warmed up
 
     def start(self) -> None:
-        """Ask for a measurement without waiting for it (`result()` collects it): probes on
-        different cores run at once, as the workers they stand for do."""
+        """Ask for a measurement without waiting for it (`result()` collects it), so that
+        probes on different cores run at once, as the workers they stand for do."""
         self.process.stdin.write("probe\n")
         self.process.stdin.flush()
 
     def result(self) -> dict:
         return self._read()
-
-    def measure(self) -> dict:
-        self.start()
-        return self.result()
 
     def _read(self) -> dict:
         line = self.process.stdout.readline()

@@ -141,8 +141,7 @@ def run_attainment(latencies: dict, slo) -> dict:
 
     return {name: attainment(latencies[name], slo.ttft_s, slo.tpot_s)
             for name in ("measured", "predicted", "predicted_round", "predicted_pooled", "predicted_engine_only",
-                         "own_speed",
-                         "predicted_faster", "predicted_slower") if name in latencies}
+                         "own_speed", "predicted_faster", "predicted_slower") if name in latencies}
 
 
 def proc_stat() -> list[int] | None:
@@ -353,7 +352,7 @@ def summarize(point: dict, slo) -> dict:
     each = [run_attainment(r["latencies"], slo) for r in point["runs"]]
     measured = [a["measured"] for a in each]
     out = {"predicted_attainment": statistics.mean(a["predicted"] for a in each),
-           "predicted_round": statistics.mean(a.get("predicted_round", a["predicted"]) for a in each),
+           "predicted_round": statistics.mean(a["predicted_round"] for a in each),
            "predicted_pooled": statistics.mean(a["predicted_pooled"] for a in each),
            "predicted_engine_only": statistics.mean(a["predicted_engine_only"] for a in each),
            "own_speed": statistics.mean(a["own_speed"] for a in each),
