@@ -8,21 +8,27 @@
    requests 100-159 through the real service in each layout with step logging on
    (engine.step_log), `--settle-runs` times discarded (serving ran slower in the first
    minutes after start); then, at the start of every round of repeats, once more in each
-   layout: each kind of step scaled by its measured over its predicted time in all in that
-   replay, and the first-token overhead (the serving path's fixed cost of a first token
-   beside the engine steps) set to the replay's median measured minus simulated TTFT.
+   layout: prefill and mixed steps scaled by their measured over their predicted time in
+   all in that replay, decode steps fitted term by term (the profile's fixed part, its
+   per-request part, and the extra while the prefill worker beside it computes:
+   calibrate.fit_decode_terms), and the first-token overhead (the serving path's fixed cost
+   of a first token beside the engine steps) set to the replay's median measured minus
+   simulated TTFT.
    A round's runs are predicted by the calibration taken just before them (this shared
    host's serving speed drifted by 1.0-1.4x over the 40 minutes of one validation, and a
    colocated engine's decode steps ran 1.6x the engine-only model in one session and 2.0x in
    another: a calibration taken once, up front, predicts the host's drift into every later
    run, which is not the planner's error; every round's calibration pooled is reported
-   beside it as "predicted_pooled"), at the engine's speed read just before each run: an
-   engine probe (benchmarks.engine_probe: a few seconds of fixed prefill and decode steps
-   on the workers' cores, with no service up) is read before every calibration replay and
-   every run, and the round's calibrated profile is scaled by the probe's time before the
-   run over its time before the calibration (at_speed; measured: in one validation a run's
-   decode steps took 0.38-1.65x what its round's calibration, 2-20 minutes before, said;
-   the round's calibration alone is reported beside it as "predicted_round");
+   beside it as "predicted_pooled"), at the host's speed just before each run: every replay
+   starts with the same warm-up burst (serve_and_drive), and the round's calibrated profile is
+   scaled, kind by kind, by how much longer the run's warm-up steps took than the
+   calibration replay's (calibrate.speed_change; measured: in one validation a run's decode
+   steps took 0.38-1.65x what its round's calibration, 2-20 minutes before, said; re-run on
+   three earlier validations' step logs, with the 40 s before each load as its warm-up, this
+   and the term-by-term decode fit together took the cells within 10 pp from 43 to 48 of
+   54, and their mean miss from 6.2 to 3.3 pp; an engine probe with no service up, tried
+   before, did not follow the runs: r = 0.35); the round's calibration alone is reported
+   beside it as "predicted_round";
 3. predict SLO attainment with the simulator under the serving configuration's own
    policies (a decode worker prefills a prompt of at most `local_prefill_max_tokens`
    itself), with the engine-only profile's prediction beside it: online-poisson (its
@@ -61,7 +67,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import random
 import statistics
@@ -74,7 +79,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.engine_probe import EngineProbe  # noqa: E402
 from benchmarks.report import panels, write  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -132,7 +136,7 @@ def rounded(latencies: list) -> list:
 
 def run_attainment(latencies: dict, slo) -> dict:
     """A run's attainment at `slo`: measured; predicted (the model calibrated at the start of
-    the run's round, at the engine speed probed just before the run: at_speed); at the
+    the run's round, at the speed its warm-up showed against the calibration's); at the
     round's calibration alone ("predicted_round"); under the pooled calibration of every
     round and the engine-only profile; and under the diagnostic own-speed model (calibrated
     on the run's own steps: not a prediction, since it needs the run; what is left of the
@@ -171,14 +175,6 @@ def steal_fraction(before, after) -> float:
 def compact(work) -> list:
     """SimRequests as [arrival s, prompt, output, cached] rows (SimRequest(*row) restores one)."""
     return [[round(r.arrival_s, 4), r.prompt_len, r.output_len, r.cached_len] for r in work]
-
-
-def at_speed(profile, calibrated_at: dict, now: dict):
-    """`profile`, calibrated to serving while the engine probe (benchmarks.engine_probe) read
-    `calibrated_at`, at the speed it reads `now`: prefill steps scaled by the probe's prefill
-    time now over then, decode steps by its decode time, mixed steps term by term."""
-    return profile.scaled(prefill=now["prefill_s"] / calibrated_at["prefill_s"],
-                          decode=now["decode_s"] / calibrated_at["decode_s"])
 
 
 def simulated(profile, layout: str, work, local_prefill_max_tokens: int) -> list:
@@ -264,10 +260,11 @@ def to_replay(requests, seed: int = 0) -> list[dict]:
 
 
 def serve_and_drive(model: str, overrides: dict, drive, port: int,
-                    warmup: list[dict]) -> tuple[list[dict], float, float]:
+                    warmup: list[dict]) -> tuple[list[dict], float, float, float]:
     """Start the service with `overrides`, warm it with one request of its own and then the
     `warmup` requests (replayed as a trace; none shares a prompt with the load), run
-    `drive(url)` (the load: its per-request results); returns (results, wall start, wall end).
+    `drive(url)` (the load: its per-request results); returns (results, the warm-up's wall
+    start, the load's wall start, its wall end).
 
     Why a burst of traffic and not one request: in the first two seconds of load on a
     freshly started 1P+1D service, prefill steps ran 1.5-2.3x the engine-only model, against
@@ -279,10 +276,11 @@ def serve_and_drive(model: str, overrides: dict, drive, port: int,
     with service({"model": model, "router.port": port, **overrides}) as url:
         warm = {"id": "warm", "at": 0.0, "max_tokens": 2, "prompt_token_ids": list(range(40000, 40000 - 64, -1))}
         asyncio.run(replay(url, model, [warm]))
+        warmed = time.time()
         asyncio.run(replay(url, model, warmup))
         started = time.time()
         results = drive(url)
-        return results, started, time.time()
+        return results, warmed, started, time.time()
 
 
 def trace_driver(model: str, requests: list[dict]):
@@ -443,7 +441,7 @@ def main() -> None:
 
     from benchmarks.prefix_reuse import local_ray, workload_rows
     from cluster.config import ServeConfig
-    from cluster.planner.calibrate import calibrate, with_first_token_overhead
+    from cluster.planner.calibrate import calibrate, speed_change, with_first_token_overhead
     from cluster.planner.search import SLO, lengths_of, phase_curve
     from cluster.planner.simulator import attainment
     from cluster.planner.workload import load_trace, rescale
@@ -525,42 +523,32 @@ def main() -> None:
                                          "drive": chat_driver(workload_rows("multi-turn-chat", args.chat_sessions))}
 
     probes = {"fastest": float("inf")}
-    engine_probes: dict[str, tuple] = {}  # layout -> (probe on the prefill side's cores, on the decode side's)
 
-    def engine_speed(layout: str) -> dict:
-        """The engine's speed now as `layout`'s workers would find it (EngineProbe, no service
-        up): the prefill step timed on the prefill side's cores, the decode steps on the
-        decode side's; the two sides probed at once."""
-        sides = engine_probes[layout]
-        unique = list(dict.fromkeys(sides))
-        for probe in unique:
-            probe.start()
-        read = {probe: probe.result() for probe in unique}
-        return {"prefill_s": read[sides[0]]["prefill_s"], "decode_s": read[sides[1]]["decode_s"]}
+    def logged(start: float, end: float) -> list[dict]:
+        return [s for s in read_step_logs(step_dir) if start <= s["t"] <= end]
 
     def guarded(layout: str, drive, discarded: list) -> tuple[list[dict], float, float, dict]:
         """serve_and_drive in `layout`, re-run (at most MAX_RERUNS times) while this machine
         itself was disturbed around it: the probe just before or after over PROBE_SLOWDOWN
         times its fastest, or CPU steal over STEAL_LIMIT. Returns (results, start, end, the
-        machine's record); each discarded attempt's record and measured attainment is
-        appended to `discarded`.
+        machine's record, with the warm-up's step log under "warmup_steps"); each discarded
+        attempt's record and measured attainment is appended to `discarded`.
 
         Why steal too: in one validation the three replays with 2.2-3.7% steal (two of them
         calibrations, unguarded then) ran 1.3-2.7x slower than the replays beside them, whose
         steal was 0.0-0.6%, and the probe around the run among them read 1.39x its fastest,
         under PROBE_SLOWDOWN."""
         for attempt in range(MAX_RERUNS + 1):
-            before = machine_probe()
-            speed_before, cpu = engine_speed(layout), cpu_times()
-            measured, start, end = serve_and_drive(args.model, LAYOUTS[layout], drive, args.port, warmup)
+            before, cpu = machine_probe(), cpu_times()
+            measured, warmed, start, end = serve_and_drive(args.model, LAYOUTS[layout], drive, args.port, warmup)
             steal = steal_fraction(cpu, cpu_times())
             probe = (before, machine_probe())
             probes["fastest"] = min(probes["fastest"], *probe)
             disturbed = max(probe) > PROBE_SLOWDOWN * probes["fastest"] or steal > STEAL_LIMIT
             machine = {"probe_s": probe, "fastest_probe_s": probes["fastest"], "steal": steal,
-                       "engine_speed": (speed_before, engine_speed(layout)), "machine_disturbed": disturbed}
+                       "machine_disturbed": disturbed}
             if not disturbed or attempt == MAX_RERUNS:
-                return measured, start, end, machine
+                return measured, start, end, {**machine, "warmup_steps": logged(warmed, start)}
             discarded.append({"measured_attainment": attainment(measured_latencies(measured), slo.ttft_s,
                                                                  slo.tpot_s), **machine})
             print(f"  machine disturbed around this replay (probe {max(probe):.3f}s, fastest "
@@ -574,22 +562,18 @@ def main() -> None:
         drive = trace_driver(args.model, to_replay(calibration_work))
         if discarded is None:
             cpu = cpu_times()
-            measured, start, end = serve_and_drive(args.model, LAYOUTS[layout], drive, args.port, warmup)
-            machine = {"steal": steal_fraction(cpu, cpu_times())}  # (no engine probe: not used to predict)
+            measured, _, start, end = serve_and_drive(args.model, LAYOUTS[layout], drive, args.port, warmup)
+            machine = {"steal": steal_fraction(cpu, cpu_times())}
         else:
             measured, start, end, machine = guarded(layout, drive, discarded)
-        steps = [s for s in read_step_logs(step_dir) if start <= s["t"] <= end]
+        steps = logged(start, end)
         record = {"steps_vs_engine_only": step_errors(steps, engine_only[layout]), **machine,
                   "wall_s": (start, end), "latencies": rounded(measured_latencies(measured))}
         print(f"  decode steps {record['steps_vs_engine_only'].get('decode', {}).get('median_ratio', 0):.2f}x "
               f"the engine-only model, CPU steal {record['steal']:.1%}", flush=True)
         return steps, record
 
-    with local_ray(4), contextlib.ExitStack() as stack:
-        print("starting the engine probes ...", flush=True)
-        pinned = {cores: stack.enter_context(EngineProbe(model_dir, cores, threads))
-                  for cores, threads in (("0", 1), ("1", 1), ("0,1", 2))}
-        engine_probes.update(disaggregated=(pinned["0"], pinned["1"]), colocated=(pinned["0,1"], pinned["0,1"]))
+    with local_ray(4):
         # --settle-runs calibration replays per layout discarded, then one per layout at the
         # start of every round, whose calibration predicts that round's runs
         result["calibration_work"] = compact(calibration_work)
@@ -602,7 +586,7 @@ def main() -> None:
         round_steps: dict[str, list] = {layout: [] for layout in LAYOUTS}
         probes["fastest"] = min(machine_probe() for _ in range(3))
         for repeat in range(args.repeats):
-            profiles, calibrated_at = {}, {}
+            profiles, calibration_warmup = {}, {}
             for layout in LAYOUTS:
                 print(f"[{repeat + 1}/{args.repeats}] calibration: {layout}, {len(calibration_work)} requests ...",
                       flush=True)
@@ -611,12 +595,13 @@ def main() -> None:
                 round_steps[layout].append(steps)
                 profiles[layout] = first_token_calibrated(calibrate(engine_only[layout], steps), layout,
                                                           [record["latencies"]])
-                calibrated_at[layout] = record["engine_speed"][0]
+                calibration_warmup[layout] = record.pop("warmup_steps")
                 record["factors"] = profiles[layout].samples["serving_calibration"]["factors"]
+                record["decode_terms"] = profiles[layout].samples["serving_calibration"].get("decode_terms")
                 record["first_token_overhead_s"] = profiles[layout].first_token_overhead_s
                 result["calibration"][layout]["rounds"].append(record)
-                print(f"  calibrated factors {record['factors']}, first-token overhead "
-                      f"{record['first_token_overhead_s'] * 1000:.0f} ms", flush=True)
+                print(f"  calibrated factors {record['factors']}, decode terms {record['decode_terms']}, "
+                      f"first-token overhead {record['first_token_overhead_s'] * 1000:.0f} ms", flush=True)
             if repeat == 0:  # the points, at rates from the first round's calibrated capacity
                 define_points(profiles["disaggregated"])
             for name, point in points.items():
@@ -625,8 +610,9 @@ def main() -> None:
                 measured, start, end, machine = guarded(layout, point["drive"],
                                                         point.setdefault("disturbed_runs", []))
                 work = point["work"] or observed_work(measured)
-                steps = [s for s in read_step_logs(step_dir) if start <= s["t"] <= end]
-                now = at_speed(profiles[layout], calibrated_at[layout], machine["engine_speed"][0])
+                steps = logged(start, end)
+                speed = speed_change(profiles[layout], calibration_warmup[layout], machine.pop("warmup_steps"))
+                now = profiles[layout].scaled(prefill=speed.get("prefill", 1.0), decode=speed.get("decode", 1.0))
                 latencies = {"measured": rounded(measured_latencies(measured)),
                              "predicted": prediction(now, layout, work),
                              "predicted_round": prediction(profiles[layout], layout, work),
@@ -642,12 +628,13 @@ def main() -> None:
                        "steps_vs_engine_only": step_errors(steps, engine_only[layout]),
                        "steps_vs_calibrated": step_errors(steps, profiles[layout]),
                        "steps_vs_predicted": step_errors(steps, now),
-                       **machine, "wall_s": (start, end)}
+                       "speed_change": speed, **machine, "wall_s": (start, end)}
                 point["runs"].append(run)
                 at = {name: attainment(lat, slo.ttft_s, slo.tpot_s) for name, lat in latencies.items()}
                 print(f"  predicted {at['predicted']:.0%} (round's calibration alone {at['predicted_round']:.0%}, "
                       f"engine-only profile {at['predicted_engine_only']:.0%}), "
-                      f"measured {at['measured']:.0%}, CPU steal {machine['steal']:.1%}", flush=True)
+                      f"measured {at['measured']:.0%}, CPU steal {machine['steal']:.1%}, warm-up's speed change "
+                      f"{ {kind: round(factor, 2) for kind, factor in speed.items()} }", flush=True)
     # the diagnostic "one calibration for the whole session": every round's calibration pooled
     pooled = {layout: first_token_calibrated(
         calibrate(engine_only[layout], [s for steps in round_steps[layout] for s in steps]), layout,

@@ -82,7 +82,7 @@ def main() -> None:
                  logging_level="WARNING", log_to_driver=False)
         try:
             for layout in args.layouts.split(","):
-                measured, start, end = serve_and_drive(args.model, LAYOUTS[layout],
+                measured, _, start, end = serve_and_drive(args.model, LAYOUTS[layout],
                                                        trace_driver(args.model, to_replay(work)), args.port, warmup)
                 ps = subprocess.run(["ps", "-eo", "ni,comm"], capture_output=True, text=True).stdout
                 steps = [s for s in read_step_logs(step_dir) if start <= s["t"] <= end]

@@ -104,6 +104,10 @@ def _calibrate(args) -> int:
     record = calibrated.samples["serving_calibration"]
     print(f"wrote {args.out}: serving/engine-alone step time by kind {record['factors']} "
           f"(from {record['steps']} steps)")
+    if "decode_terms" in record:  # calibrate.fit_decode_terms
+        terms = record["decode_terms"]
+        print(f"decode steps: fixed part x{terms['fixed']:.2f}, per-request part x{terms['per_request']:.2f}, "
+              f"+{terms['prefill_busy']:.2f} of the step while prefill engines in the log computed")
     return 0
 
 

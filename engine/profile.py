@@ -14,6 +14,11 @@ a mixed step (both at once: a colocated engine, or a decode worker prefilling lo
     42 ms, with a 16-token prompt beside them 60 ms). Profiles from before these terms
     carry five coefficients: c5 = c6 = 0.
     (profiles without mixed samples: one weight pass doing both, p0 + p1 T + p2 Q + d1 B + d2 C)
+a decode step while prefill instances sharing its host compute (busy: the share of them
+    computing, 0..1) takes longer by busy * (e0 + e1 * B + e2 * C): co-tenancy on one host's
+    caches and memory bandwidth (measured on 2 cores, a core each: decode steps ran 10-25%
+    slower while the prefill worker computed); 0 unless serving calibration measured it
+    (cluster.planner.calibrate), and 0 where the pools do not share hosts
 KV transfer of n tokens: n * kv_bytes_per_token / kv_bandwidth_bytes_per_s
 """
 
@@ -42,10 +47,14 @@ class Profile:
     # router, the RPCs to the workers, streaming it back (0 for the engine alone; serving
     # calibration measures it, cluster.planner.calibrate.with_first_token_overhead)
     first_token_overhead_s: float = 0.0
+    # e0 [s], e1 [s/request], e2 [s/context token]: a decode step's extra while the prefill
+    # instances beside it compute (see the module's docstring)
+    decode_cotenancy_coeffs: tuple[float, float, float] = (0.0, 0.0, 0.0)
     samples: dict = field(default_factory=dict, compare=False)  # raw measurements, for the record
 
     def __post_init__(self) -> None:
-        for name, sizes in (("prefill_coeffs", (3,)), ("decode_coeffs", (3,)), ("colocated_coeffs", (5, 7))):
+        for name, sizes in (("prefill_coeffs", (3,)), ("decode_coeffs", (3,)), ("colocated_coeffs", (5, 7)),
+                            ("decode_cotenancy_coeffs", (3,))):
             coeffs = getattr(self, name)
             if coeffs is None and name == "colocated_coeffs":
                 continue
@@ -66,9 +75,15 @@ class Profile:
         p0, p1, p2 = self.prefill_coeffs
         return p0 + p1 * tokens + p2 * squared
 
-    def decode_step_s(self, batch: int, context: int) -> float:
+    def decode_step_s(self, batch: int, context: int, prefill_busy: float = 0.0) -> float:
+        """A decode step of `batch` requests attending `context` tokens in all, while a share
+        `prefill_busy` (0..1) of the prefill instances sharing its host compute."""
         d0, d1, d2 = self.decode_coeffs
-        return d0 + d1 * batch + d2 * context
+        step = d0 + d1 * batch + d2 * context
+        if prefill_busy:
+            e0, e1, e2 = self.decode_cotenancy_coeffs
+            step += prefill_busy * (e0 + e1 * batch + e2 * context)
+        return step
 
     def colocated_step_s(self, tokens: int, squared: float, batch: int, context: int) -> float:
         if self.colocated_coeffs is not None:
@@ -107,7 +122,8 @@ class Profile:
                          colocated[3] * decode, colocated[4] * decode,
                          *(c * f for c, f in zip(colocated[5:], (prefill, both), strict=False)))
         return replace(self, prefill_coeffs=tuple(c * prefill for c in self.prefill_coeffs),
-                       decode_coeffs=tuple(c * decode for c in self.decode_coeffs), colocated_coeffs=colocated)
+                       decode_coeffs=tuple(c * decode for c in self.decode_coeffs), colocated_coeffs=colocated,
+                       decode_cotenancy_coeffs=tuple(c * decode for c in self.decode_cotenancy_coeffs))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -129,6 +145,8 @@ class Profile:
             raise ValueError(f"profile {path}: missing {sorted(missing)}, unknown {sorted(set(data) - known)}")
         data["prefill_coeffs"] = tuple(data["prefill_coeffs"])
         data["decode_coeffs"] = tuple(data["decode_coeffs"])
+        if "decode_cotenancy_coeffs" in data:
+            data["decode_cotenancy_coeffs"] = tuple(data["decode_cotenancy_coeffs"])
         if data.get("colocated_coeffs") is not None:
             data["colocated_coeffs"] = tuple(data["colocated_coeffs"])
         try:

@@ -18,18 +18,37 @@ take together. Serving's slowdown is skewed (the slow steps are the large ones a
 another process preempted): in one calibration replay on a 1-core decode worker the median
 step ran 4.10x a profile's model and the steps' total 4.48x, and on an earlier host
 measured TPOTs ran 2-4 ms (6-10%) above those simulated with a median-scaled model of the
-same run's own steps. The median stays in the record, beside the factor. Pure: no I/O here.
+same run's own steps. The median stays in the record, beside the factor.
+
+Decode steps are fitted term by term rather than scaled by one factor: measured = a * the
+profile's fixed part (d0) + b * its per-request part (d1 B + d2 C) + k * busy * the whole
+profiled step, busy being the share of the step's time the prefill engines in the same log
+computed (prefill_busy). Both terms come from one validation's step logs (2 cores, 1P+1D):
+serving's slowdown of a step grew with its batch (calibration replays ran batches of 8-13,
+chat 2-3; steps of 1 ran 0.70 of the model where steps of 8-15 ran 0.95), and decode steps
+ran 10-25% slower while the prefill worker on the other core computed (45% of the
+calibration's steps, 20-30% of the runs'). One factor fitted where both were high
+over-predicted every run's decode time, by 0.70-1.01x, chat's most; the terms took that to
+0.77-1.11x. With the fixed part a column of its own, least squares keeps the steps' total.
+Pure: no I/O here.
 """
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from dataclasses import replace
 
-from engine.profile import Profile
+import numpy as np
+
+from engine.profile import Profile, fit_nonnegative
 from engine.profile import step_kind as kind_of
 
 MIN_STEPS = 5  # fewer logged steps of a kind: not calibrated by its own steps (see calibrate)
+# the decode steps' per-request part must span this factor (largest over smallest) for its
+# own term to be told from the fixed part; else one factor scales the whole decode model
+MIN_SPREAD = 2.0
+PREFILL_ENGINE = "prefill"  # the step log name of prefill workers' engines (engine.step_log)
 
 
 def step_kind(step: dict) -> str:
@@ -64,10 +83,66 @@ def total_ratios(profile: Profile, steps: list[dict]) -> dict[str, tuple[int, fl
     return {kind: (count, measured / predicted) for kind, (count, measured, predicted) in sums.items()}
 
 
+def prefill_busy(steps: list[dict]) -> list[float]:
+    """For each step record, the share of its span during which the prefill engines (records
+    named PREFILL_ENGINE, one engine per pid) computed, averaged over those engines; all 0
+    when the log has none."""
+    engines: dict[int, list[tuple[float, float]]] = {}
+    for step in sorted((s for s in steps if s.get("name") == PREFILL_ENGINE), key=lambda s: s["t"]):
+        engines.setdefault(step["pid"], []).append((step["t"], step["t"] + step["s"]))
+    if not engines:
+        return [0.0] * len(steps)
+    starts = {pid: [start for start, _ in spans] for pid, spans in engines.items()}
+    shares = []
+    for step in steps:
+        begin, end = step["t"], step["t"] + step["s"]
+        covered = 0.0
+        for pid, spans in engines.items():
+            i = bisect.bisect_left(starts[pid], end) - 1  # an engine's steps do not overlap:
+            while i >= 0 and spans[i][1] > begin:  # walk back over those ending inside the step
+                covered += min(spans[i][1], end) - max(spans[i][0], begin)
+                i -= 1
+        shares.append(covered / (end - begin) / len(engines) if end > begin else 0.0)
+    return shares
+
+
+def speed_change(profile: Profile, then: list[dict], now: list[dict]) -> dict[str, float]:
+    """How many times as long each kind of step took in the step log `now` as in `then`, both
+    measured against `profile` (measured over predicted seconds in all, total_ratios), for
+    the kinds with at least MIN_STEPS steps in each. Two short logs of the same work -- the
+    warm-up burst a service serves before each load, once before a calibration replay and
+    once before a later run -- say how far the host's speed moved between them, which
+    `profile.scaled(**factors)` then carries (planner_validation: runs' steps ran 0.37-1.62x
+    what their calibration, minutes before, said)."""
+    before, after = total_ratios(profile, then), total_ratios(profile, now)
+    return {kind: after[kind][1] / before[kind][1] for kind in before.keys() & after.keys()
+            if min(before[kind][0], after[kind][0]) >= MIN_STEPS}
+
+
+def fit_decode_terms(profile: Profile, steps: list[dict]) -> tuple[float, float, float] | None:
+    """(a, b, k): the decode steps among `steps` fitted as a * d0 + b * (d1 B + d2 C) + k *
+    busy * (d0 + d1 B + d2 C) of `profile`'s decode model (busy: prefill_busy), by least
+    squares with non-negative terms; None where they cannot tell the terms apart: fewer
+    than MIN_STEPS decode steps, a per-request part spanning less than MIN_SPREAD, or a term
+    fitted to zero."""
+    d0, d1, d2 = profile.decode_coeffs
+    rows = [(step, busy) for step, busy in zip(steps, prefill_busy(steps), strict=True)
+            if step_kind(step) == "decode"]
+    per_request = [d1 * step["B"] + d2 * step["C"] for step, _ in rows]
+    if len(rows) < MIN_STEPS or min(per_request) <= 0 or max(per_request) < MIN_SPREAD * min(per_request):
+        return None
+    features = np.array([(d0, part, busy * (d0 + part)) for (_, busy), part in zip(rows, per_request, strict=True)])
+    a, b, k = fit_nonnegative(features, np.array([step["s"] for step, _ in rows]))
+    return (a, b, k) if a > 0 and b > 0 else None
+
+
 def calibrate(profile: Profile, steps: list[dict]) -> Profile:
-    """`profile` with each kind's coefficients scaled by the kind's measured seconds in all
-    over its predicted seconds in all, over `steps` (a serving step log of engines this
-    profile models); the factors, step counts and median per-step ratios are recorded in the
+    """`profile` calibrated to `steps` (a serving step log of engines this profile models,
+    engine.step_log.read_step_logs): prefill and mixed steps' coefficients scaled by the
+    kind's measured seconds in all over its predicted seconds in all; decode steps fitted
+    term by term (fit_decode_terms: d0 by a, d1 and d2 by b, decode_cotenancy_coeffs set to
+    k times d0..d2), or scaled like the others where the terms cannot be told apart. The
+    factors, step counts, median per-step ratios and decode terms are recorded in the
     result's samples["serving_calibration"]. A kind with fewer than MIN_STEPS steps: prefill
     or decode keeps its profiled coefficients; mixed steps take the prefill factor on their
     prefill terms and the decode factor on the rest."""
@@ -77,6 +152,13 @@ def calibrate(profile: Profile, steps: list[dict]) -> Profile:
                                 mixed=factors.get("mixed"))
     record = {"factors": factors, "steps": {kind: count for kind, (count, _) in totals.items()},
               "median_ratios": {kind: statistics.median(r) for kind, r in step_ratios(profile, steps).items()}}
+    terms = fit_decode_terms(profile, steps)
+    if terms is not None:
+        a, b, k = terms
+        d0, d1, d2 = profile.decode_coeffs
+        calibrated = replace(calibrated, decode_coeffs=(a * d0, b * d1, b * d2),
+                             decode_cotenancy_coeffs=(k * d0, k * d1, k * d2))
+        record["decode_terms"] = {"fixed": a, "per_request": b, "prefill_busy": k}
     return replace(calibrated, samples={**profile.samples, "serving_calibration": record})
 
 

@@ -11,6 +11,8 @@
   then prefill chunks under the same budget), as engine.scheduler does; a step takes the
   model of its kind (Profile.step_s: the mixed-step model only where prompt chunks and
   decodes share it), as the serving calibration measures it;
+- a decode step that starts while prefill instances compute takes their share's co-tenancy
+  extra (Profile.decode_cotenancy_coeffs; 0 unless calibration measured one);
 - a first token reaches its client `first_token_overhead_s` (Profile) after the step that
   made it: serving's fixed cost beside the engines (HTTP, router, RPCs, streaming);
 - prefix caching: a request's `cached_len` leading prompt tokens are neither computed nor
@@ -197,8 +199,9 @@ class _Simulation:
         if self.colocated or any(j.remaining_prompt for j in instance.running):
             duration, chunks = self._colocated_work(instance)
         else:
+            busy = sum(i.busy for i in self.prefills) / len(self.prefills) if self.prefills else 0.0
             duration, chunks = self.p.decode_step_s(len(instance.running),
-                                                    sum(j.context for j in instance.running)), []
+                                                    sum(j.context for j in instance.running), busy), []
         instance.busy = True
         self.push(now + duration, "decode_done", (instance, chunks))
 

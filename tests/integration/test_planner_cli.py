@@ -53,6 +53,7 @@ def test_profile_then_plan(tiny_llama_dir, tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     calibrated = Profile.load(tmp_path / "calibrated.json")
     assert calibrated.decode_coeffs == pytest.approx(tuple(1.5 * c for c in profile.decode_coeffs))
+    assert "fixed part x1.50, per-request part x1.50, +0.00" in out.stdout  # no prefill engine in this log
     assert calibrated.prefill_coeffs == profile.prefill_coeffs
     assert calibrated.first_token_overhead_s == 0  # none given, none in the profile
     out = pdserve("calibrate", "--profile", str(profile_path), "--step-log", str(tmp_path / "none"), "--out",

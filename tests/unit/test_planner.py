@@ -361,6 +361,115 @@ def test_calibration_matches_the_steps_total_time_not_the_typical_step():
     assert record["factors"]["decode"] > 1.1
 
 
+def test_prefill_busy_is_the_share_of_a_step_the_prefill_engines_computed():
+    from cluster.planner.calibrate import prefill_busy
+
+    steps = [{"name": "prefill", "pid": 1, "t": 0.0, "s": 1.0}, {"name": "prefill", "pid": 1, "t": 1.5, "s": 1.0},
+             {"name": "prefill", "pid": 2, "t": 0.0, "s": 4.0},
+             {"name": "decode", "pid": 3, "t": 0.5, "s": 1.0},  # engine 1: 0.5 of it, engine 2: all
+             {"name": "decode", "pid": 3, "t": 5.0, "s": 1.0}]  # neither
+    assert prefill_busy(steps)[3:] == pytest.approx([(0.5 + 1.0) / 2, 0.0])
+    assert prefill_busy([{"name": "decode", "pid": 3, "t": 0.0, "s": 1.0}]) == [0.0]  # no prefill engine logged
+
+
+def _serving_decode_log(profile, fixed: float, per_request: float, cotenancy: float) -> list[dict]:
+    """A step log of one prefill engine and one decode engine whose decode steps took
+    `fixed` x the profile's d0 + `per_request` x its d1 B + d2 C, plus `cotenancy` x the
+    profiled step for the share of it the prefill engine computed."""
+    d0, d1, d2 = profile.decode_coeffs
+    steps, t = [], 0.0
+    for i, batch in enumerate((1, 2, 3, 4, 8, 16, 32, 1, 2, 6, 12, 24) * 2):
+        context = batch * 200
+        model = d0 + d1 * batch + d2 * context
+        busy = (1.0, 0.0, 0.5)[i % 3]
+        seconds = fixed * d0 + per_request * (d1 * batch + d2 * context) + cotenancy * busy * model
+        if busy:  # the prefill engine computes from the decode step's start for `busy` of it
+            steps.append({"name": "prefill", "pid": 1, "t": t, "s": busy * seconds, "T": 64, "Q": 4096, "B": 0,
+                          "C": 0})
+        steps.append({"name": "decode", "pid": 2, "t": t, "s": seconds, "T": 0, "Q": 0, "B": batch, "C": context})
+        t += seconds + 1.0
+    return steps
+
+
+def test_decode_calibration_fits_the_fixed_part_the_per_request_part_and_co_tenancy():
+    """Serving slowed a decode step's fixed part and its per-request part differently, and
+    more while the prefill engine computed: calibration recovers each term, and so predicts
+    steps of any batch, busy or not, where one factor over all steps cannot."""
+    from cluster.planner.calibrate import calibrate
+
+    profile = Profile("m", (0.02, 0.001, 1e-7), (0.03, 0.002, 1e-6), 1000, 1e9)
+    steps = _serving_decode_log(profile, fixed=0.6, per_request=0.9, cotenancy=0.2)
+    calibrated = calibrate(profile, steps)
+    terms = calibrated.samples["serving_calibration"]["decode_terms"]
+    assert terms == pytest.approx({"fixed": 0.6, "per_request": 0.9, "prefill_busy": 0.2})
+    for batch, busy in ((1, 0.0), (1, 1.0), (32, 0.0), (32, 1.0), (5, 0.3)):
+        context = batch * 200
+        d0, d1, d2 = profile.decode_coeffs
+        truth = 0.6 * d0 + 0.9 * (d1 * batch + d2 * context) + 0.2 * busy * profile.decode_step_s(batch, context)
+        assert calibrated.decode_step_s(batch, context, busy) == pytest.approx(truth)
+    # one factor over the same steps misses an idle step of one request by over 10%
+    scalar = profile.scaled(decode=calibrated.samples["serving_calibration"]["factors"]["decode"])
+    assert scalar.decode_step_s(1, 200) > 1.1 * calibrated.decode_step_s(1, 200)
+    # the steps' total is kept
+    assert sum(calibrated.decode_step_s(s["B"], s["C"], b) for s, b in zip(steps, _busy(steps), strict=True)
+               if s["name"] == "decode") == pytest.approx(sum(s["s"] for s in steps if s["name"] == "decode"))
+
+
+def _busy(steps):
+    from cluster.planner.calibrate import prefill_busy
+
+    return prefill_busy(steps)
+
+
+def test_decode_steps_of_one_batch_size_take_one_factor():
+    """A log whose decode steps all carry the same batch cannot tell the fixed part from the
+    per-request part: the whole decode model is scaled by the total's ratio, no terms."""
+    from cluster.planner.calibrate import calibrate
+
+    profile = Profile("m", (0.02, 0.001, 1e-7), (0.03, 0.002, 1e-6), 1000, 1e9)
+    steps = [{"T": 0, "Q": 0, "B": 8, "C": 1600, "s": 1.3 * profile.decode_step_s(8, 1600)}] * 10
+    calibrated = calibrate(profile, steps)
+    assert "decode_terms" not in calibrated.samples["serving_calibration"]
+    assert calibrated.decode_coeffs == pytest.approx(tuple(1.3 * c for c in profile.decode_coeffs))
+    assert calibrated.decode_cotenancy_coeffs == (0.0, 0.0, 0.0)
+
+
+def test_co_tenancy_slows_the_decode_steps_that_run_beside_a_prefill_and_no_others(tmp_path):
+    profile = Profile("hand", (0.1, 0.001, 0.0), (0.01, 0.002, 1e-5), 1000, 1e6)
+    shared = replace(profile, decode_cotenancy_coeffs=(0.01, 0.002, 1e-5))  # steps twice as long beside a prefill
+    alone = [SimRequest(0.0, 300, 20)]
+    assert simulate(shared, alone, 1, 1).tpot_s == pytest.approx(simulate(profile, alone, 1, 1).tpot_s)
+    beside = [SimRequest(0.0, 300, 40), SimRequest(0.5, 2000, 2)]  # a long prompt while the first decodes
+    slow, plain = simulate(shared, beside, 1, 1), simulate(profile, beside, 1, 1)
+    assert slow.tpot_s[0] > plain.tpot_s[0] * 1.05
+    assert slow.ttft_s == pytest.approx(plain.ttft_s)  # prefill steps are not slowed
+    colocated = [simulate(p, beside, 0, 1, colocated=True).tpot_s for p in (shared, profile)]
+    assert colocated[0] == pytest.approx(colocated[1])  # no prefill instance beside a colocated engine
+    # it is saved, loaded and scaled with the decode model
+    path = tmp_path / "p.json"
+    path.write_text(shared.to_json())
+    assert Profile.load(path).decode_cotenancy_coeffs == shared.decode_cotenancy_coeffs
+    assert shared.scaled(decode=2.0).decode_cotenancy_coeffs == pytest.approx((0.02, 0.004, 2e-5))
+
+
+def test_speed_change_is_the_later_logs_slowdown_over_the_earlier_ones_kind_by_kind():
+    from cluster.planner.calibrate import MIN_STEPS, speed_change
+
+    profile = Profile("m", (0.02, 0.001, 1e-7), (0.03, 0.002, 1e-6), 1000, 1e9)
+
+    def log(prefill: float, decode: float, prefills: int = MIN_STEPS) -> list[dict]:
+        return ([{"T": t, "Q": t * t, "B": 0, "C": 0, "s": prefill * profile.prefill_step_s(t, t * t)}
+                 for t in (64, 128, 256, 512, 1024)[:prefills]]
+                + [{"T": 0, "Q": 0, "B": b, "C": b * 100, "s": decode * profile.decode_step_s(b, b * 100)}
+                   for b in (1, 2, 4, 8, 16, 32)])
+
+    change = speed_change(profile, log(1.2, 0.8), log(1.8, 0.6))
+    assert change == pytest.approx({"prefill": 1.5, "decode": 0.75})
+    # too few prefill steps in either log: only decode is compared
+    assert speed_change(profile, log(1.2, 0.8), log(1.8, 0.6, prefills=MIN_STEPS - 1)) == pytest.approx(
+        {"decode": 0.75})
+
+
 def test_a_first_token_overhead_delays_every_first_token_and_no_later_one():
     profile = Profile("hand", (0.1, 0.001, 0.0), (0.01, 0.002, 1e-5), 1000, 1e6, max_num_batched_tokens=512)
     work = [SimRequest(0.0, 300, 5), SimRequest(0.2, 100, 1), SimRequest(0.4, 200, 8)]
