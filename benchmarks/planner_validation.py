@@ -27,8 +27,9 @@
    three earlier validations' step logs, with the 40 s before each load as its warm-up, this
    and the term-by-term decode fit together took the cells within 10 pp from 43 to 48 of
    54, and their mean miss from 6.2 to 3.3 pp; an engine probe with no service up, tried
-   before, did not follow the runs: r = 0.35); the round's calibration alone is reported
-   beside it as "predicted_round";
+   before, did not follow the runs: r = 0.35; the validation after that choice had 14 of 18
+   within 10 pp with it and 17 with the round's calibration alone: see the README); the
+   round's calibration alone is reported beside it as "predicted_round";
 3. predict SLO attainment with the simulator under the serving configuration's own
    policies (a decode worker prefills a prompt of at most `local_prefill_max_tokens`
    itself), with the engine-only profile's prediction beside it: online-poisson (its
