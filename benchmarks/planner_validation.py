@@ -90,6 +90,7 @@ MAX_RERUNS = 2
 # host's drift between a calibration and a run moves it (colocated decode factors of one
 # session ranged 1.39-1.76 across identical calibration replays)
 SPEED_STEP = 0.05
+RUN_GAP_S = 600.0  # between a point's runs in the load the autoscaler's correction simulates
 RANKING_MARGIN = 0.10  # layouts whose measured goodputs differ by more must be ranked alike
 # the two layouts compared, as service config overrides: 1P+1D on a core each, one colocated engine on both
 LAYOUTS = {"disaggregated": {"prefill.replicas": 1, "decode.replicas": 1, "prefill.cpu_affinity": [0],
@@ -321,15 +322,19 @@ def step_errors(steps: list[dict], profile) -> dict:
 
 def correction_path(profile, slo, runs: list[dict], local: int, rounds: int = 5) -> dict:
     """The autoscaler's correction factors after each of `rounds` decisions at 1P+1D,
-    observing this point's workload and its measured TTFT/TPOT percentiles (all runs pooled)."""
+    observing this point's workload (its runs one after another, each with its arrivals as
+    they came, as the router records them) and its measured TTFT/TPOT percentiles (all runs
+    pooled)."""
     from cluster.autoscaler import Autoscaler
     from engine.stats import percentile
 
     ok = [r for run in runs for r in run["results"] if r["error"] is None and r["ttft_s"] is not None]
     works = [run["work"] for run in runs]
     rate = statistics.mean((len(w) - 1) / max(1e-9, w[-1].arrival_s - w[0].arrival_s) for w in works)
+    offsets = [sum(w[-1].arrival_s + RUN_GAP_S for w in works[:i]) for i in range(len(works))]
     observed = {"rate": rate, "count": len(works[0]),
                 "lengths": [(r.prompt_len, r.output_len, r.cached_len) for w in works for r in w],
+                "arrivals": [offset + r.arrival_s for offset, w in zip(offsets, works, strict=True) for r in w],
                 "ttft_p": percentile([r["ttft_s"] for r in ok], slo.percentile),
                 "tpot_p": percentile([r["tpot_s"] for r in ok if r["tpot_s"] is not None], slo.percentile)}
     scaler = Autoscaler(profile, slo, {"prefill": (1, 8), "decode": (1, 8)}, cooldown_s=0.0,

@@ -229,7 +229,7 @@ class Controller:
                 self._event("cluster", "autoscale_error", str(exc)[:200])
                 continue
             entry = decision.as_dict()
-            entry["observed"] = {k: v for k, v in observed.items() if k != "lengths"}
+            entry["observed"] = {k: v for k, v in observed.items() if k not in ("lengths", "arrivals")}
             entry["current"] = current
             self.decisions.append(entry)
             logger.info("autoscale decision current=%s desired=%s action=%s correction=%s observed=%s",

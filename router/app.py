@@ -87,19 +87,24 @@ class Router:
         self.tokenizer = None
         self.created = int(time.time())  # GET /v1/models
         self.inflight = 0
-        self.finished: deque = deque(maxlen=20000)  # (end, prompt, completion tokens, ttft, tpot, cached)
+        # (end, prompt, completion tokens, ttft, tpot, cached, arrival); end and arrival: time.monotonic()
+        self.finished: deque = deque(maxlen=20000)
 
     def observations(self, window_s: float, percentile: float = 90.0) -> dict:
-        """What the autoscaler needs from the last `window_s` seconds of finished requests."""
+        """What the autoscaler needs from the last `window_s` seconds of finished requests: count,
+        rate, TTFT/TPOT percentiles, prefix-cache hit rate, and the latest 500 requests' lengths
+        (prompt, completion, cached tokens) with their arrival times (monotonic seconds)."""
         now = time.monotonic()
         recent = [r for r in self.finished if now - r[0] <= window_s]
         ttft = [r[3] for r in recent if r[3] is not None]
         tpot = [r[4] for r in recent if r[4] is not None]
         prompt_tokens = sum(r[1] for r in recent)
+        latest = recent[-500:]
         return {"count": len(recent), "rate": len(recent) / window_s, "ttft_p": stats.percentile(ttft, percentile),
                 "tpot_p": stats.percentile(tpot, percentile),
                 "hit_rate": sum(r[5] for r in recent) / prompt_tokens if prompt_tokens else 0.0,
-                "lengths": [(r[1], max(1, r[2]), r[5]) for r in recent][-500:], "inflight": self.inflight}
+                "lengths": [(r[1], max(1, r[2]), r[5]) for r in latest], "arrivals": [r[6] for r in latest],
+                "inflight": self.inflight}
 
     async def start(self) -> None:
         from engine.model_source import resolve_model

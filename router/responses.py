@@ -96,9 +96,10 @@ def end(router, generations: list[Generation]) -> None:
         router.metrics.observe(generation, finished_at)
         result = generation.result
         if result.finish_reason in ("stop", "length") and result.first_token_at is not None:
-            router.finished.append((time.monotonic(), len(generation.prompt_ids), result.num_completion_tokens,
+            now = time.monotonic()
+            router.finished.append((now, len(generation.prompt_ids), result.num_completion_tokens,
                                     result.first_token_at - generation.started, result.tpot_s(finished_at),
-                                    result.num_cached_tokens))
+                                    result.num_cached_tokens, now - (finished_at - generation.started)))
 
 
 async def collect(request: Request, generations: list[Generation]) -> list[Collected]:

@@ -5,6 +5,7 @@ with a real service is tests/e2e/test_dashboard.py."""
 
 from __future__ import annotations
 
+import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -140,3 +141,20 @@ def test_transfer_bandwidth_from_counter_increases():
     rates.sample([view("prefill", "p1", kv_bytes_sent=10), view("prefill", "p2", kv_bytes_sent=777),
                   view("decode", "d1", kv_bytes_received=13000)], 14.0)
     assert rates.points[-1] == (14.0, 0.0, 2000.0)
+
+
+def test_the_autoscalers_observations_carry_each_requests_arrival():
+    import time
+    from types import SimpleNamespace
+
+    from router.generation import Result
+    from router.responses import begin, end
+
+    router = make_router([])
+    started = time.perf_counter() - 2.0  # it arrived two seconds ago and has just finished
+    result = Result(num_completion_tokens=5, finish_reason="stop", first_token_at=started + 0.5, num_cached_tokens=4)
+    begin(router)
+    end(router, [SimpleNamespace(prompt_ids=list(range(10)), started=started, result=result)])
+    observed = router.observations(window_s=60)
+    assert observed["count"] == 1 and observed["lengths"] == [(10, 5, 4)]
+    assert observed["arrivals"][0] == pytest.approx(time.monotonic() - 2.0, abs=0.2)

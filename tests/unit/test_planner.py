@@ -220,6 +220,26 @@ def test_autoscaler_scales_decode_up_on_slow_tpot_and_down_after_cooldown():
     assert scaler.decide(idle, {"prefill": 1, "decode": 3}).action == {"decode": 1}
 
 
+def test_the_correction_compares_the_window_as_it_arrived():
+    # a burst of long prompts at once, then a trickle of short ones; the observed percentiles
+    # are the profile's own on that window, so the engines run exactly as profiled
+    window = ([SimRequest(0.0, 1024, 32) for _ in range(12)]
+              + [SimRequest(60.0 + 2 * i, 128, 32) for i in range(12)])
+    truth = simulate(PROFILE, window, 1, 1)
+    observed = {"count": len(window), "rate": len(window) / 84.0,
+                "lengths": [(r.prompt_len, r.output_len, 0) for r in window], "arrivals": [r.arrival_s for r in window],
+                "ttft_p": truth.percentile("ttft_s", 90), "tpot_p": truth.percentile("tpot_s", 90)}
+    bounds = {"prefill": (1, 8), "decode": (1, 8)}
+    scaler = Autoscaler(PROFILE, SLO(2.0, 0.05), bounds, cooldown_s=0)
+    scaler.decide(observed, {"prefill": 1, "decode": 1})
+    assert scaler.correction == pytest.approx({"prefill": 1.0, "decode": 1.0})
+    # without the arrival times the window is read as a Poisson stream at its rate, which
+    # smooths the burst away: the burst's queueing is taken for slow prefill
+    blind = Autoscaler(PROFILE, SLO(2.0, 0.05), bounds, cooldown_s=0)
+    blind.decide({k: v for k, v in observed.items() if k != "arrivals"}, {"prefill": 1, "decode": 1})
+    assert blind.correction["prefill"] > 1.5
+
+
 def test_autoscaler_leaves_an_overridden_pool_alone():
     scaler = Autoscaler(PROFILE, SLO(2.0, 0.05), {"prefill": (1, 4), "decode": (1, 4)}, cooldown_s=0)
     busy = {"count": 50, "rate": 2.0, "lengths": [(128, 64)] * 50, "ttft_p": 0.5, "tpot_p": 0.2}
