@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import random
 import statistics
@@ -290,11 +291,14 @@ def trace_driver(model: str, requests: list[dict]):
 
 def chat_driver(rows: list[dict]):
     """Chat clients (benchmarks.prefix_reuse): each turn resends the history with the real
-    replies; results normalised to the trace replay's (error None on success)."""
+    replies; results normalised to the trace replay's (error None on success) and in the
+    order they were sent, as observed_work lists the requests, so that the results file's
+    measured and simulated latencies pair request by request."""
     from benchmarks.prefix_reuse import replay
 
     def drive(url: str) -> list[dict]:
         results, _ = asyncio.run(replay(url, "multi-turn-chat", rows, 1.0))
+        results.sort(key=lambda r: r.get("sent_s", math.inf))
         return [{"ttft_s": None, "tpot_s": None, **r, "error": r.get("error")} for r in results]
     return drive
 
