@@ -121,14 +121,14 @@ def time_decode_step(engine: LLMEngine, batch: int, context: int, repeats: int) 
     return statistics.median(times[:-1] or times)
 
 
-def _mixed_step(engine: LLMEngine, batch: int, context: int, tokens: int,
-                repeats: int) -> tuple[tuple[int, int, int, int], float]:
-    """Median seconds of a step computing a fresh `tokens`-token prompt alongside `batch`
-    running decodes; with the step's (T, Q, B, C) as the latency model counts it."""
-    _start_decodes(engine, batch, context, repeats + 3, "mx")
+def time_new_prompt_step(engine: LLMEngine, make_prompt, tag: str,
+                         repeats: int) -> tuple[tuple[int, int, int, int], float]:
+    """Median seconds of the step that computes a new prompt (`make_prompt()`, called once a
+    repeat) beside whatever the engine is running, over `repeats` (one more first, left out:
+    a warm-up); with the step's (T, Q, B, C) as the latency model counts it."""
     times, shape = [], None
     for r in range(repeats + 1):
-        engine.add_request(f"mx-prompt-{batch}-{tokens}-{r}", _ids(tokens), SamplingParams(max_tokens=1))
+        engine.add_request(f"{tag}-{r}", make_prompt(), SamplingParams(max_tokens=1))
         start = time.perf_counter()
         engine.step()
         elapsed = time.perf_counter() - start
@@ -136,9 +136,18 @@ def _mixed_step(engine: LLMEngine, batch: int, context: int, tokens: int,
         shape = (step.prefill_tokens, step.prefill_squared, step.decode_batch, step.decode_context)
         if r:
             times.append(elapsed)
+    return shape, statistics.median(times)
+
+
+def _mixed_step(engine: LLMEngine, batch: int, context: int, tokens: int,
+                repeats: int) -> tuple[tuple[int, int, int, int], float]:
+    """Median seconds of a step computing a fresh `tokens`-token prompt alongside `batch`
+    running decodes; with the step's (T, Q, B, C) as the latency model counts it."""
+    _start_decodes(engine, batch, context, repeats + 3, "mx")
+    shape, seconds = time_new_prompt_step(engine, lambda: _ids(tokens), f"mx-prompt-{batch}-{tokens}", repeats)
     while engine.has_unfinished_requests():
         engine.step()
-    return shape, statistics.median(times)
+    return shape, seconds
 
 
 def measure_kv_bandwidth(engine: LLMEngine, tokens: int = 2048) -> float:
