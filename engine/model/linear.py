@@ -10,6 +10,12 @@ at 165 GFLOP/s where oneDNN's packed kernel runs 416, and SmolLM2's decode-step 
 summation order): fp32 stays token-identical to Hugging Face in the parity tests, not
 bit-identical. A row's bits must not depend on how many rows share the product (batch
 invariance): MKL's differ below 8 rows, oneDNN's only at 1 row, which `linear` avoids.
+On a CPU with AMX (an Intel Xeon with amx_bf16, measured), oneDNN's bf16 products take
+other kernels past 32 rows, and these differ from the small-row one, and among
+themselves by row count (33 vs 40 rows, 64 vs 512), in the last bits of real activations;
+there `linear` runs a bf16 product of more rows as products of at most 32
+(AMX_INVARIANT_ROWS), which costs 1.5-3.2x the linear time at 64-2048 rows
+(benchmarks/results/linear_rows.json) and keeps a row's bits the same at any row count.
 Elsewhere (CUDA, fp16, a torch build without the op) weights stay plain tensors and
 `linear` is `F.linear`.
 """
@@ -22,6 +28,20 @@ import torch
 import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
+
+AMX_INVARIANT_ROWS = 32  # the most rows oneDNN's bf16 product runs on its one small-row kernel with AMX
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU reports AMX for bf16 (Linux /proc/cpuinfo; False where unreadable)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in cpuinfo)
+    except OSError:
+        return False
+
+
+_CHUNK_BF16_ROWS = cpu_has_amx()
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -47,10 +67,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     a single row, whose results differ in the last bits from the same row among others
     (measured on an AMD EPYC with avx512_bf16 and no AMX, on SmolLM2's down projection in
     bf16 and fp32), so a request decoding alone would drift from the same request batched.
-    Every row count from 2 up gives a row the same bits."""
+    Every row count from 2 up gives a row the same bits; with AMX, a bf16 product of more
+    than AMX_INVARIANT_ROWS rows runs in blocks of that many (see the module docstring)."""
     if weight.layout == torch._mkldnn:
-        x = x.contiguous()
-        if x.dim() == 2 and x.shape[0] == 1:
-            return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1).contiguous(), weight, bias, "none", [], "")[:1]
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        if _CHUNK_BF16_ROWS and x.dim() == 2 and x.shape[0] > AMX_INVARIANT_ROWS and x.dtype == torch.bfloat16:
+            return torch.cat([_packed_product(block, weight, bias) for block in x.split(AMX_INVARIANT_ROWS)])
+        return _packed_product(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def _packed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """One oneDNN product with a packed weight; a single row is run as two (see linear)."""
+    x = x.contiguous()
+    if x.dim() == 2 and x.shape[0] == 1:
+        return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1).contiguous(), weight, bias, "none", [], "")[:1]
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
