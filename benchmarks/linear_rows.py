@@ -33,7 +33,7 @@ def median_ms(fn, repeats: int = 15) -> float:
 def main() -> None:
     import torch
 
-    from engine.model.linear import AMX_INVARIANT_ROWS, _packed_product, cpu_has_amx, pack
+    from engine.model.linear import AMX_INVARIANT_ROWS, cpu_has_amx, pack, packed_product
 
     torch.set_num_threads(1)
     rows = []
@@ -41,8 +41,8 @@ def main() -> None:
         weight = pack(torch.randn(out_features, in_features).to(torch.bfloat16))
         for count in ROWS:
             x = torch.randn(count, in_features).to(torch.bfloat16)
-            one = median_ms(lambda: _packed_product(x, weight, None))  # noqa: B023
-            blocks = median_ms(lambda: torch.cat([_packed_product(b, weight, None)  # noqa: B023
+            one = median_ms(lambda: packed_product(x, weight, None))  # noqa: B023
+            blocks = median_ms(lambda: torch.cat([packed_product(b, weight, None)  # noqa: B023
                                                   for b in x.split(AMX_INVARIANT_ROWS)]))  # noqa: B023
             rows.append({"weight": [out_features, in_features], "rows": count, "one_product_ms": one,
                          f"blocks_of_{AMX_INVARIANT_ROWS}_ms": blocks, "ratio": blocks / one})

@@ -35,18 +35,18 @@ DECODE_CONTEXT = 128  # the running decodes' prompt length, as the profiler's mi
 def measure(engine, tokens: int, batch: int, cached: int, repeats: int) -> tuple[tuple, float]:
     """A step computing `tokens` new prompt tokens after `cached` tokens the prefix cache
     holds, beside `batch` running decodes (0: a prefill-only step)."""
-    from cluster.planner.profiler import _ids, _start_decodes, time_new_prompt_step
+    from cluster.planner.profiler import prompt_ids, start_decodes, time_new_prompt_step
     from engine.sampling_params import SamplingParams
 
-    prefix = _ids(cached, 77) if cached else []
+    prefix = prompt_ids(cached, 77) if cached else []
     if cached:  # put the prefix in the cache: a request over it, run to the end
         engine.add_request(f"prefix-{cached}-{tokens}-{batch}", prefix, SamplingParams(max_tokens=1))
         while engine.has_unfinished_requests():
             engine.step()
     if batch:
-        _start_decodes(engine, batch, DECODE_CONTEXT, repeats + 3, f"cov{cached}-{tokens}")
-    shape, seconds = time_new_prompt_step(engine, lambda: prefix + _ids(tokens), f"cov-{tokens}-{batch}-{cached}",
-                                          repeats)
+        start_decodes(engine, batch, DECODE_CONTEXT, repeats + 3, f"cov{cached}-{tokens}")
+    shape, seconds = time_new_prompt_step(engine, lambda: prefix + prompt_ids(tokens),
+                                          f"cov-{tokens}-{batch}-{cached}", repeats)
     while engine.has_unfinished_requests():
         engine.step()
     return shape, seconds

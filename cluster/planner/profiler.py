@@ -75,7 +75,7 @@ def profile_engine(config: EngineConfig, repeats: int = 3, progress=print) -> Pr
 _SEEDS = itertools.count(1000)
 
 
-def _ids(n: int, seed: int | None = None) -> list[int]:
+def prompt_ids(n: int, seed: int | None = None) -> list[int]:
     """`n` random token ids; a fresh prompt (no shared prefix with any other) unless `seed`."""
     generator = torch.Generator().manual_seed(next(_SEEDS) if seed is None else seed)
     return torch.randint(3, 1000, (n,), generator=generator).tolist()
@@ -87,7 +87,7 @@ def time_prefill_step(engine: LLMEngine, lengths: list[int], repeats: int) -> fl
     times = []
     for r in range(repeats + 1):
         for i, n in enumerate(lengths):
-            engine.add_request(f"pf-{r}-{i}", _ids(n), SamplingParams(max_tokens=1, temperature=0))
+            engine.add_request(f"pf-{r}-{i}", prompt_ids(n), SamplingParams(max_tokens=1, temperature=0))
         start = time.perf_counter()
         engine.step()
         elapsed = time.perf_counter() - start
@@ -98,13 +98,13 @@ def time_prefill_step(engine: LLMEngine, lengths: list[int], repeats: int) -> fl
     return statistics.median(times)
 
 
-def _start_decodes(engine: LLMEngine, batch: int, context: int, steps: int, tag: str) -> None:
+def start_decodes(engine: LLMEngine, batch: int, context: int, steps: int, tag: str) -> None:
     """`batch` running requests of `context` prompt tokens, prefilled, with at least `steps`
     decode steps ahead of them (the first prefilled decode while the rest prefill)."""
     prefill_steps = -(-batch * context // engine.config.max_num_batched_tokens)
     params = SamplingParams(max_tokens=steps + prefill_steps, temperature=0, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"{tag}-{batch}-{context}-{i}", _ids(context, i), params)
+        engine.add_request(f"{tag}-{batch}-{context}-{i}", prompt_ids(context, i), params)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
         engine.step()
 
@@ -112,7 +112,7 @@ def _start_decodes(engine: LLMEngine, batch: int, context: int, steps: int, tag:
 def time_decode_step(engine: LLMEngine, batch: int, context: int, repeats: int) -> float:
     """Median seconds of a decode step of `batch` running requests of `context` prompt tokens
     each, over about `repeats` + 2 steps (the last, emptier one left out)."""
-    _start_decodes(engine, batch, context, repeats + 3, "dc")
+    start_decodes(engine, batch, context, repeats + 3, "dc")
     times = []
     while engine.has_unfinished_requests():
         start = time.perf_counter()
@@ -143,8 +143,8 @@ def _mixed_step(engine: LLMEngine, batch: int, context: int, tokens: int,
                 repeats: int) -> tuple[tuple[int, int, int, int], float]:
     """Median seconds of a step computing a fresh `tokens`-token prompt alongside `batch`
     running decodes; with the step's (T, Q, B, C) as the latency model counts it."""
-    _start_decodes(engine, batch, context, repeats + 3, "mx")
-    shape, seconds = time_new_prompt_step(engine, lambda: _ids(tokens), f"mx-prompt-{batch}-{tokens}", repeats)
+    start_decodes(engine, batch, context, repeats + 3, "mx")
+    shape, seconds = time_new_prompt_step(engine, lambda: prompt_ids(tokens), f"mx-prompt-{batch}-{tokens}", repeats)
     while engine.has_unfinished_requests():
         engine.step()
     return shape, seconds

@@ -71,12 +71,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     than AMX_INVARIANT_ROWS rows runs in blocks of that many (see the module docstring)."""
     if weight.layout == torch._mkldnn:
         if _CHUNK_BF16_ROWS and x.dim() == 2 and x.shape[0] > AMX_INVARIANT_ROWS and x.dtype == torch.bfloat16:
-            return torch.cat([_packed_product(block, weight, bias) for block in x.split(AMX_INVARIANT_ROWS)])
-        return _packed_product(x, weight, bias)
+            return torch.cat([packed_product(block, weight, bias) for block in x.split(AMX_INVARIANT_ROWS)])
+        return packed_product(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
-def _packed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def packed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """One oneDNN product with a packed weight; a single row is run as two (see linear)."""
     x = x.contiguous()
     if x.dim() == 2 and x.shape[0] == 1:
