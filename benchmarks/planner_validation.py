@@ -605,9 +605,11 @@ def main() -> None:
                 calibration_warmup[layout] = record.pop("warmup_steps")
                 record["factors"] = profiles[layout].samples["serving_calibration"]["factors"]
                 record["decode_terms"] = profiles[layout].samples["serving_calibration"].get("decode_terms")
+                record["mixed_terms"] = profiles[layout].samples["serving_calibration"].get("mixed_terms")
                 record["first_token_overhead_s"] = profiles[layout].first_token_overhead_s
                 result["calibration"][layout]["rounds"].append(record)
                 print(f"  calibrated factors {record['factors']}, decode terms {record['decode_terms']}, "
+                      f"mixed terms {record['mixed_terms']}, "
                       f"first-token overhead {record['first_token_overhead_s'] * 1000:.0f} ms", flush=True)
             if repeat == 0:  # the points, at rates from the first round's calibrated capacity
                 define_points(profiles["disaggregated"])

@@ -5,7 +5,10 @@ mixed steps of 128-1536 fresh prompt tokens. Serving also runs short chunks besi
 decode batch (a decode worker prefilling a short prompt locally) and chunks over a cached
 prefix (a chat turn whose history the prefix cache holds, or a long prompt's later
 chunks), whose attention reads KV already in the paged cache; the step model counts that
-attention in the same `Q` (sum of n * (start + n)) as attention within a fresh prompt.
+attention in the same `Q` (sum of n * (start + n)) as attention within a fresh prompt --
+and, in profiles from before 2026-12-04, in `Q` alone: this benchmark found chunks over a
+cached prefix at 1.43-1.71x such a model, and the profiler now times them too and fits
+their own K term (engine.profile).
 
 This times those shapes on the engine alone, pinned to one core with one thread (as
 planner_validation profiles a 1-core worker), with the profiler's own step helpers, and
@@ -29,29 +32,6 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.report import panels, write  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-DECODE_CONTEXT = 128  # the running decodes' prompt length, as the profiler's mixed steps use
-
-
-def measure(engine, tokens: int, batch: int, cached: int, repeats: int) -> tuple[tuple, float]:
-    """A step computing `tokens` new prompt tokens after `cached` tokens the prefix cache
-    holds, beside `batch` running decodes (0: a prefill-only step)."""
-    from cluster.planner.profiler import prompt_ids, start_decodes, time_new_prompt_step
-    from engine.sampling_params import SamplingParams
-
-    prefix = prompt_ids(cached, 77) if cached else []
-    if cached:  # put the prefix in the cache: a request over it, run to the end
-        engine.add_request(f"prefix-{cached}-{tokens}-{batch}", prefix, SamplingParams(max_tokens=1))
-        while engine.has_unfinished_requests():
-            engine.step()
-    if batch:
-        start_decodes(engine, batch, DECODE_CONTEXT, repeats + 3, f"cov{cached}-{tokens}")
-    shape, seconds = time_new_prompt_step(engine, lambda: prefix + prompt_ids(tokens),
-                                          f"cov-{tokens}-{batch}-{cached}", repeats)
-    while engine.has_unfinished_requests():
-        engine.step()
-    return shape, seconds
-
-
 def plot(result: dict, path: Path) -> None:
     rows = result["steps"]
     with panels(path, 1, width=max(6.0, 0.45 * len(rows))) as (ax,):
@@ -78,6 +58,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
+    from cluster.planner.profiler import time_cached_step
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.model_source import resolve_model
@@ -90,9 +71,11 @@ def main() -> None:
             + [(tokens, 0, cached) for tokens in (128, 512) for cached in (0, 1024)])
     steps = []
     for tokens, batch, cached in grid:
-        (t, q, b, c), seconds = measure(engine, tokens, batch, cached, args.repeats)
-        model = profile.step_s(t, q, b, c)
-        steps.append({"tokens": tokens, "batch": batch, "cached": cached, "T": t, "Q": q, "B": b, "C": c,
+        shape, seconds = time_cached_step(engine, tokens, batch, cached, args.repeats)
+        t, q, b, c, k = (shape.prefill_tokens, shape.prefill_squared, shape.decode_batch, shape.decode_context,
+                         shape.prefill_cached)
+        model = profile.step_s(t, q, b, c, k)
+        steps.append({"tokens": tokens, "batch": batch, "cached": cached, "T": t, "Q": q, "K": k, "B": b, "C": c,
                       "measured_s": seconds, "model_s": model, "measured_over_model": seconds / model})
         print(f"{tokens} new tokens over {cached} cached, {batch} decodes: {seconds * 1000:.1f} ms, "
               f"model {model * 1000:.1f} ms ({seconds / model:.2f}x)", flush=True)

@@ -107,7 +107,8 @@ def _calibrate(args) -> int:
     if "decode_terms" in record:  # calibrate.fit_decode_terms
         terms = record["decode_terms"]
         print(f"decode steps: fixed part x{terms['fixed']:.2f}, per-request part x{terms['per_request']:.2f}, "
-              f"+{terms['prefill_busy']:.2f} of the step while prefill engines in the log computed")
+              f"+{terms['prefill_rate'] * 1000:.3f} of the step per 1,000 prompt tokens/s the prefill engines "
+              f"in the log computed beside it")
     return 0
 
 

@@ -1,24 +1,35 @@
 """Latency models of one engine instance, fitted from profiled step times.
 
-prefill step (T batched prompt tokens, Q = sum of squared chunk lengths: attention):
-    t = p0 + p1 * T + p2 * Q
+prefill step (T batched prompt tokens, Q = sum over chunks of length x context reached:
+attention; K = the part of Q over context computed before the chunk, a cached prefix or
+the prompt's earlier chunks):
+    t = p0 + p1 * T + p2 * Q + p3 * K
+    p3: attention over KV already in the paged cache costs more than within the chunk
+    (measured, bf16, 1 core: chunks of 64-128 tokens over a 1,024-1,600-token cached prefix
+    took 1.43-1.71x a model fitted on fresh prompts alone, benchmarks/profile_coverage.py).
+    Profiles from before this term carry three coefficients: p3 = 0.
 decode step (B running requests, C their total context tokens):
     t = d0 + d1 * B + d2 * C
 a mixed step (both at once: a colocated engine, or a decode worker prefilling locally),
     fitted on profiled mixed steps as well as pure ones:
-    t = c0 + c1 * T + c2 * Q + c3 * B + c4 * C + c5 * T^2 + c6 * [T > 0 and B > 0]
+    t = c0 + c1 * T + c2 * Q + c3 * B + c4 * C + c5 * T^2 + c6 * [T > 0 and B > 0] + c7 * K
     c5: a step's cost grows faster than its tokens once its activations outgrow the caches
     (measured, bf16 on 2 cores: 4 prompts of 512 took 1.43 s, 1 of 1024 0.77 s; the Q term
     alone put the first at 1.06 s); c6: the fixed extra of carrying both kinds of rows (the
     mixed attention path, the linear layers' kernel choice past 16 rows: 16 decodes took
-    42 ms, with a 16-token prompt beside them 60 ms). Profiles from before these terms
-    carry five coefficients: c5 = c6 = 0.
-    (profiles without mixed samples: one weight pass doing both, p0 + p1 T + p2 Q + d1 B + d2 C)
-a decode step while prefill instances sharing its host compute (busy: the share of them
-    computing, 0..1) takes longer by busy * (e0 + e1 * B + e2 * C): co-tenancy on one host's
-    caches and memory bandwidth (measured on 2 cores, a core each: decode steps ran 10-25%
-    slower while the prefill worker computed); 0 unless serving calibration measured it
-    (cluster.planner.calibrate), and 0 where the pools do not share hosts
+    42 ms, with a 16-token prompt beside them 60 ms); c7: as p3. Profiles from before these
+    terms carry five or seven coefficients: the missing ones are 0.
+    (profiles without mixed samples: one weight pass doing both, p0 + p1 T + p2 Q + p3 K +
+    d1 B + d2 C)
+a decode step while prefill instances sharing its host compute takes longer by
+    rate * (e0 + e1 * B + e2 * C), rate being the prompt tokens per second those prefill
+    instances compute at (averaged over them, 0 while idle): co-tenancy on one host's caches
+    and memory bandwidth. Measured on 2 cores, a core each: decode steps ran 18-20% slower
+    while the prefill worker beside them prefilled short prompts (many steps a second, at a
+    high token rate) and 8-10% slower while it prefilled 2,000-token ones (attention-bound,
+    a lower token rate); by the share of time it computed, one term over-predicted the
+    second by 5.5-8%, by its token rate by 2.6-4%. 0 unless serving calibration measured it
+    (cluster.planner.calibrate), and 0 where the pools do not share hosts.
 KV transfer of n tokens: n * kv_bytes_per_token / kv_bandwidth_bytes_per_s
 """
 
@@ -35,33 +46,41 @@ import numpy as np
 @dataclass(frozen=True)
 class Profile:
     model: str
-    prefill_coeffs: tuple[float, float, float]  # p0 [s], p1 [s/token], p2 [s/token^2]
+    prefill_coeffs: tuple[float, ...]  # p0 [s], p1 [s/token], p2 [s/token^2], p3 [s/token^2] (optional)
     decode_coeffs: tuple[float, float, float]  # d0 [s], d1 [s/request], d2 [s/context token]
     kv_bytes_per_token: int
     kv_bandwidth_bytes_per_s: float
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     kv_capacity_tokens: int = 1 << 20
-    colocated_coeffs: tuple[float, ...] | None = None  # c0..c6 (None: from the two above)
+    colocated_coeffs: tuple[float, ...] | None = None  # c0..c7 (None: from the two above)
     # serving's fixed cost of a first token beyond the engine steps that make it: HTTP, the
     # router, the RPCs to the workers, streaming it back (0 for the engine alone; serving
     # calibration measures it, cluster.planner.calibrate.with_first_token_overhead)
     first_token_overhead_s: float = 0.0
-    # e0 [s], e1 [s/request], e2 [s/context token]: a decode step's extra while the prefill
-    # instances beside it compute (see the module's docstring)
+    # e0, e1, e2 [s per prefill token/s; per request, per context token]: a decode step's
+    # extra per prompt token a second that the prefill instances beside it compute (see the
+    # module's docstring)
     decode_cotenancy_coeffs: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    # a mixed step's extra, as a share of the step, per prompt token a second that the
+    # prefill instances beside it compute (the same co-tenancy, on a decode worker's local
+    # prefills)
+    mixed_cotenancy: float = 0.0
     samples: dict = field(default_factory=dict, compare=False)  # raw measurements, for the record
 
     def __post_init__(self) -> None:
-        for name, sizes in (("prefill_coeffs", (3,)), ("decode_coeffs", (3,)), ("colocated_coeffs", (5, 7)),
+        for name, sizes in (("prefill_coeffs", (3, 4)), ("decode_coeffs", (3,)), ("colocated_coeffs", (5, 7, 8)),
                             ("decode_cotenancy_coeffs", (3,))):
             coeffs = getattr(self, name)
             if coeffs is None and name == "colocated_coeffs":
                 continue
             if len(coeffs) not in sizes or not all(isinstance(c, int | float) and math.isfinite(c) and c >= 0
                                                    for c in coeffs):
-                count = " or ".join(map(str, sizes))
+                count = ", ".join(map(str, sizes[:-1])) + " or " + str(sizes[-1]) if len(sizes) > 1 else str(sizes[0])
                 raise ValueError(f"profile {name} must be {count} finite non-negative numbers, got {coeffs!r}")
+        if not (isinstance(self.mixed_cotenancy, int | float) and math.isfinite(self.mixed_cotenancy)
+                and self.mixed_cotenancy >= 0):
+            raise ValueError(f"profile mixed_cotenancy must be a finite number >= 0, got {self.mixed_cotenancy!r}")
         overhead = self.first_token_overhead_s
         if not (isinstance(overhead, int | float) and math.isfinite(overhead) and overhead >= 0):
             raise ValueError(f"profile first_token_overhead_s must be a finite number >= 0, got {overhead!r}")
@@ -71,35 +90,48 @@ class Profile:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"profile {name} must be a positive integer, got {getattr(self, name)!r}")
 
-    def prefill_step_s(self, tokens: int, squared: float) -> float:
-        p0, p1, p2 = self.prefill_coeffs
-        return p0 + p1 * tokens + p2 * squared
+    def prefill_step_s(self, tokens: int, squared: float, cached: float = 0) -> float:
+        """A step of `tokens` prompt tokens whose attention is `squared` (Q), `cached` (K) of
+        it over KV computed before the step."""
+        p0, p1, p2, p3 = (*self.prefill_coeffs, 0.0)[:4]
+        return p0 + p1 * tokens + p2 * squared + p3 * cached
 
-    def decode_step_s(self, batch: int, context: int, prefill_busy: float = 0.0) -> float:
-        """A decode step of `batch` requests attending `context` tokens in all, while a share
-        `prefill_busy` (0..1) of the prefill instances sharing its host compute."""
+    def decode_step_s(self, batch: int, context: int, prefill_rate: float = 0.0) -> float:
+        """A decode step of `batch` requests attending `context` tokens in all, while the
+        prefill instances sharing its host compute `prefill_rate` prompt tokens a second."""
         d0, d1, d2 = self.decode_coeffs
         step = d0 + d1 * batch + d2 * context
-        if prefill_busy:
+        if prefill_rate:
             e0, e1, e2 = self.decode_cotenancy_coeffs
-            step += prefill_busy * (e0 + e1 * batch + e2 * context)
+            step += prefill_rate * (e0 + e1 * batch + e2 * context)
         return step
 
-    def colocated_step_s(self, tokens: int, squared: float, batch: int, context: int) -> float:
+    def colocated_step_s(self, tokens: int, squared: float, batch: int, context: int, cached: float = 0,
+                         prefill_rate: float = 0.0) -> float:
+        """A step of prompt chunks (`tokens`, `squared`, `cached`: T, Q, K) beside `batch`
+        decodes of `context` tokens in all, while prefill instances sharing its host compute
+        `prefill_rate` prompt tokens a second (a decode worker's local prefill)."""
         if self.colocated_coeffs is not None:
-            c0, c1, c2, c3, c4, c5, c6 = (*self.colocated_coeffs, 0.0, 0.0)[:7]
+            c0, c1, c2, c3, c4, c5, c6, c7 = (*self.colocated_coeffs, 0.0, 0.0, 0.0)[:8]
             both = 1.0 if tokens and batch else 0.0
-            return c0 + c1 * tokens + c2 * squared + c3 * batch + c4 * context + c5 * tokens * tokens + c6 * both
-        p0, p1, p2 = self.prefill_coeffs
-        _, d1, d2 = self.decode_coeffs
-        return max(p0, self.decode_coeffs[0]) + p1 * tokens + p2 * squared + d1 * batch + d2 * context
+            step = (c0 + c1 * tokens + c2 * squared + c3 * batch + c4 * context + c5 * tokens * tokens + c6 * both
+                    + c7 * cached)
+        else:
+            _, d1, d2 = self.decode_coeffs
+            step = (max(self.prefill_coeffs[0], self.decode_coeffs[0]) - self.prefill_coeffs[0]
+                    + self.prefill_step_s(tokens, squared, cached) + d1 * batch + d2 * context)
+        return step * (1.0 + self.mixed_cotenancy * prefill_rate)
 
-    def step_s(self, tokens: int, squared: float, batch: int, context: int) -> float:
-        """Any step, by its kind (`step_kind`): the prefill, decode or mixed-step model."""
+    def step_s(self, tokens: int, squared: float, batch: int, context: int, cached: float = 0,
+               prefill_rate: float = 0.0) -> float:
+        """Any step, by its kind (`step_kind`): the prefill, decode or mixed-step model; a
+        decode or mixed one beside prefill instances computing `prefill_rate` tokens a second."""
         kind = step_kind(tokens, batch)
         if kind == "mixed":
-            return self.colocated_step_s(tokens, squared, batch, context)
-        return self.prefill_step_s(tokens, squared) if kind == "prefill" else self.decode_step_s(batch, context)
+            return self.colocated_step_s(tokens, squared, batch, context, cached, prefill_rate)
+        if kind == "prefill":
+            return self.prefill_step_s(tokens, squared, cached)
+        return self.decode_step_s(batch, context, prefill_rate)
 
     def transfer_s(self, tokens: int) -> float:
         return tokens * self.kv_bytes_per_token / self.kv_bandwidth_bytes_per_s
@@ -112,15 +144,15 @@ class Profile:
 
         colocated = self.colocated_coeffs
         if mixed is not None:
-            p0, p1, p2 = self.prefill_coeffs
+            p0, p1, p2, p3 = (*self.prefill_coeffs, 0.0)[:4]
             _, d1, d2 = self.decode_coeffs
-            base = colocated or (max(p0, self.decode_coeffs[0]), p1, p2, d1, d2)
+            base = colocated or (max(p0, self.decode_coeffs[0]), p1, p2, d1, d2, 0.0, 0.0, p3)
             colocated = tuple(c * mixed for c in base)
         elif colocated is not None:  # prefill terms by the prefill factor, decode terms by the decode one
             both = max(prefill, decode)
             colocated = (colocated[0] * both, colocated[1] * prefill, colocated[2] * prefill,
                          colocated[3] * decode, colocated[4] * decode,
-                         *(c * f for c, f in zip(colocated[5:], (prefill, both), strict=False)))
+                         *(c * f for c, f in zip(colocated[5:], (prefill, both, prefill), strict=False)))
         return replace(self, prefill_coeffs=tuple(c * prefill for c in self.prefill_coeffs),
                        decode_coeffs=tuple(c * decode for c in self.decode_coeffs), colocated_coeffs=colocated,
                        decode_cotenancy_coeffs=tuple(c * decode for c in self.decode_cotenancy_coeffs))
@@ -164,11 +196,12 @@ def step_kind(tokens: int, batch: int) -> str:
 
 def prefill_seconds(profile: Profile, tokens: int, batch: int = 0, context: int = 0) -> float:
     """Predicted time to prefill `tokens` prompt tokens, chunked under the token budget; with
-    `batch` running requests of `context` tokens in all, each step also carries their decode."""
+    `batch` running requests of `context` tokens in all, each step also carries their decode.
+    A chunk after the first attends over the ones before it as well (Q and K)."""
     budget, seconds = profile.max_num_batched_tokens, 0.0
     for start in range(0, tokens, budget):
         chunk = min(budget, tokens - start)
-        seconds += profile.step_s(chunk, chunk * chunk, batch, context)
+        seconds += profile.step_s(chunk, chunk * (start + chunk), batch, context, chunk * start)
     return seconds
 
 
@@ -211,3 +244,16 @@ def fit_colocated(prefill: list[tuple[int, float, float]], decode: list[tuple[in
     features = np.column_stack([np.ones(len(data)), t, q, b, c, t * t, (t > 0) & (b > 0)])
     weights = 1.0 / np.maximum(seconds, 1e-6)
     return fit_nonnegative(features * weights[:, None], seconds * weights)
+
+
+def fit_cached_attention(samples: list[tuple[float, float, float]]) -> float:
+    """The K term's coefficient (p3 or c7) from steps over a cached prefix, given as (K,
+    measured seconds, seconds the model gives without the term): what the model leaves
+    over, per unit of K, by least squares on relative error (each step weighted by
+    1/measured, as fit_colocated does); at least 0."""
+    if not samples:
+        return 0.0
+    data = np.asarray(samples, dtype=float)
+    cached, measured, model = data.T
+    weights = 1.0 / np.maximum(measured, 1e-6)
+    return fit_nonnegative((cached * weights)[:, None], (measured - model) * weights)[0]

@@ -3,8 +3,9 @@ latency model (engine.profile): the record that checks the model against serving
 
 Off unless the environment variable PDSERVE_STEP_LOG names a directory; each engine driver
 then appends one JSON line per step to `<dir>/<name>-<pid>.jsonl`:
-`{"t": wall start, "s": seconds, "T": prefill tokens, "Q": their attention, "B": decode rows,
-"C": their context}` (benchmarks/planner_validation.py reads them).
+`{"t": wall start, "s": seconds, "T": prefill tokens, "Q": their attention, "K": the part of it
+over KV computed before the step, "B": decode rows, "C": their context}`
+(benchmarks/planner_validation.py reads them; logs from before "K" was recorded lack it).
 """
 
 from __future__ import annotations
@@ -20,18 +21,21 @@ ENV = "PDSERVE_STEP_LOG"
 @dataclass(frozen=True)
 class StepShape:
     """A step's work as the latency model counts it: chunks of several tokens are prefill
-    (T tokens, Q = sum of chunk length x context reached); one-token rows are decode (B rows
-    attending C context tokens in all)."""
+    (T tokens, Q = sum of chunk length x context reached, K = the part of Q over the context
+    before the chunk: sum of chunk length x start position, KV a cached prefix or earlier
+    chunks left in the cache); one-token rows are decode (B rows attending C context tokens
+    in all)."""
 
     prefill_tokens: int = 0
     prefill_squared: int = 0
     decode_batch: int = 0
     decode_context: int = 0
+    prefill_cached: int = 0
 
     @classmethod
     def of(cls, chunks) -> StepShape:
         """`chunks`: the scheduler's ScheduledChunks (token_ids, start_pos)."""
-        tokens = squared = batch = context = 0
+        tokens = squared = batch = context = cached = 0
         for chunk in chunks:
             n = len(chunk.token_ids)
             if n == 1:
@@ -40,7 +44,8 @@ class StepShape:
             else:
                 tokens += n
                 squared += n * (chunk.start_pos + n)
-        return cls(tokens, squared, batch, context)
+                cached += n * chunk.start_pos
+        return cls(tokens, squared, batch, context, cached)
 
 
 class StepLog:
@@ -57,7 +62,8 @@ class StepLog:
         if self._file is not None:
             self._file.write(json.dumps({"t": round(started_wall, 4), "s": round(seconds, 5),
                                          "T": shape.prefill_tokens, "Q": shape.prefill_squared,
-                                         "B": shape.decode_batch, "C": shape.decode_context}) + "\n")
+                                         "K": shape.prefill_cached, "B": shape.decode_batch,
+                                         "C": shape.decode_context}) + "\n")
 
     def close(self) -> None:
         if self._file is not None:

@@ -21,15 +21,21 @@ measured TPOTs ran 2-4 ms (6-10%) above those simulated with a median-scaled mod
 same run's own steps. The median stays in the record, beside the factor.
 
 Decode steps are fitted term by term rather than scaled by one factor: measured = a * the
-profile's fixed part (d0) + b * its per-request part (d1 B + d2 C) + k * busy * the whole
-profiled step, busy being the share of the step's time the prefill engines in the same log
-computed (prefill_busy). Both terms come from one validation's step logs (2 cores, 1P+1D):
+profile's fixed part (d0) + b * its per-request part (d1 B + d2 C) + k * rate * the whole
+profiled step, rate being the prompt tokens a second the prefill engines in the same log
+computed during the step (prefill_rate). The terms come from validations' step logs (2
+cores, 1P+1D):
 serving's slowdown of a step grew with its batch (calibration replays ran batches of 8-13,
 chat 2-3; steps of 1 ran 0.70 of the model where steps of 8-15 ran 0.95), and decode steps
 ran 10-25% slower while the prefill worker on the other core computed (45% of the
 calibration's steps, 20-30% of the runs'). One factor fitted where both were high
 over-predicted every run's decode time, by 0.70-1.01x, chat's most; the terms took that to
-0.77-1.11x. With the fixed part a column of its own, least squares keeps the steps' total.
+0.77-1.11x. The co-tenancy term first took the share of the step's time the prefill
+engines computed; but it depends on what they compute -- decode steps ran 18-20% longer
+beside short prompts' prefill and 8-10% beside 2,000-token prompts' (run D of 2026-12-04) --
+and by that share the interference run's decode time was over-predicted by 5.5-8%; by the
+prefill token rate, replayed on the same logs, by 2.6-4%, the others unchanged. With the
+fixed part a column of its own, least squares keeps the steps' total.
 Pure: no I/O here.
 """
 
@@ -57,7 +63,8 @@ def step_kind(step: dict) -> str:
 
 
 def predicted_s(profile: Profile, step: dict) -> float:
-    return profile.step_s(step["T"], step["Q"], step["B"], step["C"])
+    """The model's seconds for a step record (one without "K", logged before K was, has 0)."""
+    return profile.step_s(step["T"], step["Q"], step["B"], step["C"], step.get("K", 0))
 
 
 def step_ratios(profile: Profile, steps: list[dict]) -> dict[str, list[float]]:
@@ -83,27 +90,28 @@ def total_ratios(profile: Profile, steps: list[dict]) -> dict[str, tuple[int, fl
     return {kind: (count, measured / predicted) for kind, (count, measured, predicted) in sums.items()}
 
 
-def prefill_busy(steps: list[dict]) -> list[float]:
-    """For each step record, the share of its span during which the prefill engines (records
-    named PREFILL_ENGINE, one engine per pid) computed, averaged over those engines; all 0
-    when the log has none."""
-    engines: dict[int, list[tuple[float, float]]] = {}
+def prefill_rate(steps: list[dict]) -> list[float]:
+    """For each step record, the prompt tokens a second that the prefill engines (records
+    named PREFILL_ENGINE, one engine per pid) computed during its span, averaged over those
+    engines: each prefill step overlapping it counts its own rate (T / s) for the share of
+    the span it overlaps; all 0 when the log has none."""
+    engines: dict[int, list[tuple[float, float, float]]] = {}
     for step in sorted((s for s in steps if s.get("name") == PREFILL_ENGINE), key=lambda s: s["t"]):
-        engines.setdefault(step["pid"], []).append((step["t"], step["t"] + step["s"]))
+        engines.setdefault(step["pid"], []).append((step["t"], step["t"] + step["s"], step["T"] / max(step["s"], 1e-6)))
     if not engines:
         return [0.0] * len(steps)
-    starts = {pid: [start for start, _ in spans] for pid, spans in engines.items()}
-    shares = []
+    starts = {pid: [start for start, _, _ in spans] for pid, spans in engines.items()}
+    rates = []
     for step in steps:
         begin, end = step["t"], step["t"] + step["s"]
-        covered = 0.0
+        tokens = 0.0
         for pid, spans in engines.items():
             i = bisect.bisect_left(starts[pid], end) - 1  # an engine's steps do not overlap:
             while i >= 0 and spans[i][1] > begin:  # walk back over those ending inside the step
-                covered += min(spans[i][1], end) - max(spans[i][0], begin)
+                tokens += (min(spans[i][1], end) - max(spans[i][0], begin)) * spans[i][2]
                 i -= 1
-        shares.append(covered / (end - begin) / len(engines) if end > begin else 0.0)
-    return shares
+        rates.append(tokens / (end - begin) / len(engines) if end > begin else 0.0)
+    return rates
 
 
 def speed_change(profile: Profile, then: list[dict], now: list[dict]) -> dict[str, float]:
@@ -121,17 +129,17 @@ def speed_change(profile: Profile, then: list[dict], now: list[dict]) -> dict[st
 
 def fit_decode_terms(profile: Profile, steps: list[dict]) -> tuple[float, float, float] | None:
     """(a, b, k): the decode steps among `steps` fitted as a * d0 + b * (d1 B + d2 C) + k *
-    busy * (d0 + d1 B + d2 C) of `profile`'s decode model (busy: prefill_busy), by least
+    rate * (d0 + d1 B + d2 C) of `profile`'s decode model (rate: prefill_rate), by least
     squares with non-negative terms; None where they cannot tell the terms apart: fewer
     than MIN_STEPS decode steps, a per-request part spanning less than MIN_SPREAD, or a term
     fitted to zero."""
     d0, d1, d2 = profile.decode_coeffs
-    rows = [(step, busy) for step, busy in zip(steps, prefill_busy(steps), strict=True)
+    rows = [(step, rate) for step, rate in zip(steps, prefill_rate(steps), strict=True)
             if step_kind(step) == "decode"]
     per_request = [d1 * step["B"] + d2 * step["C"] for step, _ in rows]
     if len(rows) < MIN_STEPS or min(per_request) <= 0 or max(per_request) < MIN_SPREAD * min(per_request):
         return None
-    features = np.array([(d0, part, busy * (d0 + part)) for (_, busy), part in zip(rows, per_request, strict=True)])
+    features = np.array([(d0, part, rate * (d0 + part)) for (_, rate), part in zip(rows, per_request, strict=True)])
     a, b, k = fit_nonnegative(features, np.array([step["s"] for step, _ in rows]))
     return (a, b, k) if a > 0 and b > 0 else None
 
@@ -145,7 +153,8 @@ def calibrate(profile: Profile, steps: list[dict]) -> Profile:
     factors, step counts, median per-step ratios and decode terms are recorded in the
     result's samples["serving_calibration"]. A kind with fewer than MIN_STEPS steps: prefill
     or decode keeps its profiled coefficients; mixed steps take the prefill factor on their
-    prefill terms and the decode factor on the rest."""
+    prefill terms and the decode factor on the rest. Where the decode terms carry a
+    co-tenancy term k, mixed steps take it too (fit_mixed_terms)."""
     totals = total_ratios(profile, steps)
     factors = {kind: ratio for kind, (count, ratio) in totals.items() if count >= MIN_STEPS}
     calibrated = profile.scaled(prefill=factors.get("prefill", 1.0), decode=factors.get("decode", 1.0),
@@ -158,8 +167,40 @@ def calibrate(profile: Profile, steps: list[dict]) -> Profile:
         d0, d1, d2 = profile.decode_coeffs
         calibrated = replace(calibrated, decode_coeffs=(a * d0, b * d1, b * d2),
                              decode_cotenancy_coeffs=(k * d0, k * d1, k * d2))
-        record["decode_terms"] = {"fixed": a, "per_request": b, "prefill_busy": k}
+        record["decode_terms"] = {"fixed": a, "per_request": b, "prefill_rate": k}
+        mixed = fit_mixed_terms(profile, steps, k) if "mixed" in factors else None
+        if mixed is not None:
+            calibrated = replace(profile.scaled(mixed=mixed), prefill_coeffs=calibrated.prefill_coeffs,
+                                 decode_coeffs=calibrated.decode_coeffs,
+                                 decode_cotenancy_coeffs=calibrated.decode_cotenancy_coeffs,
+                                 mixed_cotenancy=k / mixed)
+            record["mixed_terms"] = {"step": mixed, "prefill_rate": k}
     return replace(calibrated, samples={**profile.samples, "serving_calibration": record})
+
+
+def fit_mixed_terms(profile: Profile, steps: list[dict], k: float) -> float | None:
+    """m: the mixed steps among `steps` fitted as m * M + k * rate * M, M being `profile`'s
+    mixed model of the step and rate the prefill engines' (prefill_rate), with `k` the decode
+    steps' co-tenancy term (fit_decode_terms): m keeps the mixed steps' measured total. None
+    where it comes out at 0 or below.
+
+    Why co-tenancy from the decode steps and not a factor of the mixed steps' own: a decode
+    worker's mixed steps slow beside a computing prefill worker as its decode steps do, and
+    a calibration replay's mixed steps all ran beside one (short prompts, 1,000-1,100 prompt
+    tokens a second), which one factor carried to every run. Replayed on run D of 2026-12-04
+    (with the K term): one factor of 1.38-1.44 put the interference run's mixed steps, which
+    ran beside 150-160 prompt tokens a second, at 1.20-1.27x their measured time and chat's
+    (30 tokens a second) at 1.27-1.33x; m = 1.17-1.22 with the decode's k put them at
+    1.04-1.07x and 1.08-1.11x, online's at 0.89-0.98x (1.0-1.1x before). The calibration's
+    rates are too alike to fit k from the mixed steps alone."""
+    rows = [(step, rate) for step, rate in zip(steps, prefill_rate(steps), strict=True) if step_kind(step) == "mixed"]
+    model = [predicted_s(profile, step) for step, _ in rows]
+    total = sum(model)
+    if total <= 0:
+        return None
+    beside = sum(rate * x for (_, rate), x in zip(rows, model, strict=True))
+    m = (sum(step["s"] for step, _ in rows) - k * beside) / total
+    return m if m > 0 else None
 
 
 

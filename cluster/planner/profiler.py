@@ -4,10 +4,13 @@ Prefill: single steps of T prompt tokens (one chunk, and several requests' chunk
 Decode: steady decode steps at batch B over contexts C. Mixed: a step carrying a prompt
 chunk of T tokens and B running decodes at once (what a colocated engine, or a decode
 worker prefilling locally, runs; the TPOT a prompt inflicts on every running request).
+Cached: prefill and mixed steps whose new tokens follow a prefix the prefix cache holds (a
+chat turn over its history, a long prompt's later chunk): their attention over that KV is
+the models' K term (engine.profile), fitted on these after the rest.
 KV transfer: the torch transport moving one 2048-token prompt's KV between two ends of a
 real gloo/NCCL pair (in one process, two threads). Every figure is a median of repeats.
-Every timed prompt is new to the engine: a prefix-cache hit would time a lookup, not a
-prefill.
+Every timed prompt's new tokens are new to the engine: a prefix-cache hit would time a
+lookup, not a prefill.
 """
 
 from __future__ import annotations
@@ -21,8 +24,11 @@ import torch
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.profile import Profile, fit_colocated, fit_decode, fit_prefill
+from engine.profile import Profile, fit_cached_attention, fit_colocated, fit_decode, fit_prefill
 from engine.sampling_params import SamplingParams
+from engine.step_log import StepShape
+
+CACHED_PREFIXES = (512, 1536)  # cached prefix lengths the K term is profiled over
 
 
 def profile_engine(config: EngineConfig, repeats: int = 3, progress=print) -> Profile:
@@ -53,23 +59,55 @@ def profile_engine(config: EngineConfig, repeats: int = 3, progress=print) -> Pr
             if batch > config.max_num_seqs or tokens + batch > budget or tokens >= max_len or 128 + 16 >= max_len:
                 continue
             shape, seconds = _mixed_step(engine, batch, 128, tokens, repeats)
-            mixed_samples.append(shape + (seconds,))
+            mixed_samples.append((shape.prefill_tokens, shape.prefill_squared, shape.decode_batch,
+                                  shape.decode_context, seconds))
             progress(f"mixed {tokens} prompt tokens + decode batch {batch} x 128 context: {seconds * 1000:.1f} ms")
+    cached_samples = []
+    for cached in CACHED_PREFIXES:
+        for tokens, batch in ((64, 0), (256, 0), (1024, 0), (64, 4), (256, 16)):
+            if cached + tokens >= max_len or tokens + batch > budget or batch > config.max_num_seqs:
+                continue
+            shape, seconds = time_cached_step(engine, tokens, batch, cached, repeats)
+            cached_samples.append((shape.prefill_tokens, shape.prefill_squared, shape.decode_batch,
+                                   shape.decode_context, shape.prefill_cached, seconds))
+            progress(f"{tokens} prompt tokens over {cached} cached" + (f" + decode batch {batch}" if batch else "")
+                     + f": {seconds * 1000:.1f} ms")
     bandwidth = measure_kv_bandwidth(engine)
     progress(f"KV transfer: {bandwidth / 1e9:.2f} GB/s")
     from kv_transfer.layout import KVLayout
 
     layout = KVLayout.of_cache(engine.runner.kv_cache)
     kv_bytes_per_token = layout.token_bytes * layout.num_layers
-    return Profile(
+    fresh = Profile(
         model=config.model, prefill_coeffs=fit_prefill(prefill_samples), decode_coeffs=fit_decode(decode_samples),
         colocated_coeffs=fit_colocated(prefill_samples, decode_samples, mixed_samples) if mixed_samples else None,
         kv_bytes_per_token=kv_bytes_per_token, kv_bandwidth_bytes_per_s=bandwidth,
         max_num_batched_tokens=budget, max_num_seqs=config.max_num_seqs,
         kv_capacity_tokens=engine.block_manager.num_blocks * config.block_size,
         samples={"prefill": prefill_samples, "decode": decode_samples, "mixed": mixed_samples,
-                 "threads": torch.get_num_threads()},
+                 "cached": cached_samples, "threads": torch.get_num_threads()},
     )
+    return with_cached_attention(fresh, cached_samples)
+
+
+def with_cached_attention(profile: Profile, samples: list[tuple]) -> Profile:
+    """`profile` (fitted on fresh prompts) with its K terms fitted on `samples` (T, Q, B, C, K,
+    seconds) of steps over a cached prefix: p3 on the prefill-only ones, c7 on the mixed ones
+    (fit_cached_attention: what the rest of the model leaves over, per unit of K)."""
+    from dataclasses import replace
+
+    def term(rows: list[tuple], model) -> float:
+        return fit_cached_attention([(k, s, model(t, q, b, c)) for t, q, b, c, k, s in rows])
+
+    prefill = [r for r in samples if not r[2]]
+    mixed = [r for r in samples if r[2]]
+    if prefill:
+        p3 = term(prefill, lambda t, q, b, c: profile.prefill_step_s(t, q))
+        profile = replace(profile, prefill_coeffs=(*profile.prefill_coeffs[:3], p3))
+    if mixed and profile.colocated_coeffs is not None:
+        c7 = term(mixed, profile.colocated_step_s)
+        profile = replace(profile, colocated_coeffs=(*(*profile.colocated_coeffs, 0.0, 0.0)[:7], c7))
+    return profile
 
 
 _SEEDS = itertools.count(1000)
@@ -121,30 +159,46 @@ def time_decode_step(engine: LLMEngine, batch: int, context: int, repeats: int) 
     return statistics.median(times[:-1] or times)
 
 
-def time_new_prompt_step(engine: LLMEngine, make_prompt, tag: str,
-                         repeats: int) -> tuple[tuple[int, int, int, int], float]:
+def time_new_prompt_step(engine: LLMEngine, make_prompt, tag: str, repeats: int) -> tuple[StepShape, float]:
     """Median seconds of the step that computes a new prompt (`make_prompt()`, called once a
     repeat) beside whatever the engine is running, over `repeats` (one more first, left out:
-    a warm-up); with the step's (T, Q, B, C) as the latency model counts it."""
-    times, shape = [], None
+    a warm-up); with the step's shape as the latency model counts it."""
+    times, shape = [], StepShape()
     for r in range(repeats + 1):
         engine.add_request(f"{tag}-{r}", make_prompt(), SamplingParams(max_tokens=1))
         start = time.perf_counter()
         engine.step()
         elapsed = time.perf_counter() - start
-        step = engine.last_step_shape
-        shape = (step.prefill_tokens, step.prefill_squared, step.decode_batch, step.decode_context)
+        shape = engine.last_step_shape
         if r:
             times.append(elapsed)
     return shape, statistics.median(times)
 
 
-def _mixed_step(engine: LLMEngine, batch: int, context: int, tokens: int,
-                repeats: int) -> tuple[tuple[int, int, int, int], float]:
+def _mixed_step(engine: LLMEngine, batch: int, context: int, tokens: int, repeats: int) -> tuple[StepShape, float]:
     """Median seconds of a step computing a fresh `tokens`-token prompt alongside `batch`
-    running decodes; with the step's (T, Q, B, C) as the latency model counts it."""
+    running decodes; with the step's shape."""
     start_decodes(engine, batch, context, repeats + 3, "mx")
     shape, seconds = time_new_prompt_step(engine, lambda: prompt_ids(tokens), f"mx-prompt-{batch}-{tokens}", repeats)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return shape, seconds
+
+
+def time_cached_step(engine: LLMEngine, tokens: int, batch: int, cached: int, repeats: int,
+                     decode_context: int = 128) -> tuple[StepShape, float]:
+    """Median seconds of a step computing `tokens` new prompt tokens after `cached` tokens the
+    prefix cache holds (0: a fresh prompt), beside `batch` running decodes of
+    `decode_context` tokens (0: a prefill-only step); with the step's shape."""
+    prefix = prompt_ids(cached, 77) if cached else []
+    if cached:  # put the prefix in the cache: a request over it, run to the end
+        engine.add_request(f"prefix-{cached}-{tokens}-{batch}", prefix, SamplingParams(max_tokens=1))
+        while engine.has_unfinished_requests():
+            engine.step()
+    if batch:
+        start_decodes(engine, batch, decode_context, repeats + 3, f"cached{cached}-{tokens}")
+    shape, seconds = time_new_prompt_step(engine, lambda: prefix + prompt_ids(tokens),
+                                          f"cached-{tokens}-{batch}-{cached}", repeats)
     while engine.has_unfinished_requests():
         engine.step()
     return shape, seconds

@@ -11,12 +11,14 @@
   then prefill chunks under the same budget), as engine.scheduler does; a step takes the
   model of its kind (Profile.step_s: the mixed-step model only where prompt chunks and
   decodes share it), as the serving calibration measures it;
-- a decode step that starts while prefill instances compute takes their share's co-tenancy
-  extra (Profile.decode_cotenancy_coeffs; 0 unless calibration measured one);
+- a decode (or mixed) step that starts while prefill instances compute takes the co-tenancy
+  extra of the prompt tokens a second their current steps compute at (Profile.step_s:
+  decode_cotenancy_coeffs, mixed_cotenancy; 0 unless calibration measured one);
 - a first token reaches its client `first_token_overhead_s` (Profile) after the step that
   made it: serving's fixed cost beside the engines (HTTP, router, RPCs, streaming);
 - prefix caching: a request's `cached_len` leading prompt tokens are neither computed nor
-  shipped (attention still spans them); a disaggregated request whose uncached tokens are
+  shipped (attention still spans them: the step's Q and, for the part over KV computed
+  before the chunk, K); a disaggregated request whose uncached tokens are
   at most `local_prefill_max_tokens` is prefilled on its decode instance, mixed into its
   decode steps, as the decode worker decides.
 
@@ -80,6 +82,7 @@ class _Instance:
         self.running: list[_Job] = []
         self.busy = False
         self.load_tokens = 0
+        self.rate = 0.0  # prefill: prompt tokens a second of the step it computes
 
 
 def simulate(profile: Profile, requests: list[SimRequest], prefill: int, decode: int,
@@ -163,10 +166,10 @@ class _Simulation:
             budget -= n
         if not chunks:
             return
-        tokens = sum(n for _, n in chunks)
-        squared = sum(n * (job.req.prompt_len - job.remaining_prompt + n) for job, n in chunks)
-        instance.busy = True
-        self.push(now + self.p.prefill_step_s(tokens, squared), "prefill_done", (instance, chunks))
+        tokens, squared, cached = _attention(chunks)
+        duration = self.p.prefill_step_s(tokens, squared, cached)
+        instance.busy, instance.rate = True, tokens / duration if duration > 0 else 0.0
+        self.push(now + duration, "prefill_done", (instance, chunks))
 
     def _prefill_step_done(self, now: float, payload) -> None:
         instance, chunks = payload
@@ -196,16 +199,16 @@ class _Simulation:
             instance.running.append(instance.queue.pop(0))
         if not instance.running:
             return
+        rate = sum(i.rate for i in self.prefills if i.busy) / len(self.prefills) if self.prefills else 0.0
         if self.colocated or any(j.remaining_prompt for j in instance.running):
-            duration, chunks = self._colocated_work(instance)
+            duration, chunks = self._colocated_work(instance, rate)
         else:
-            busy = sum(i.busy for i in self.prefills) / len(self.prefills) if self.prefills else 0.0
             duration, chunks = self.p.decode_step_s(len(instance.running),
-                                                    sum(j.context for j in instance.running), busy), []
+                                                    sum(j.context for j in instance.running), rate), []
         instance.busy = True
         self.push(now + duration, "decode_done", (instance, chunks))
 
-    def _colocated_work(self, instance: _Instance):
+    def _colocated_work(self, instance: _Instance, prefill_rate: float):
         budget = self.p.max_num_batched_tokens
         decoding = [j for j in instance.running if j.remaining_prompt == 0]
         budget -= len(decoding)
@@ -215,9 +218,9 @@ class _Simulation:
                 n = min(job.remaining_prompt, budget)
                 chunks.append((job, n))
                 budget -= n
-        tokens = sum(n for _, n in chunks)
-        squared = sum(n * (j.req.prompt_len - j.remaining_prompt + n) for j, n in chunks)
-        duration = self.p.step_s(tokens, squared, len(decoding), sum(j.context for j in decoding))
+        tokens, squared, cached = _attention(chunks)
+        duration = self.p.step_s(tokens, squared, len(decoding), sum(j.context for j in decoding), cached,
+                                 prefill_rate)
         return duration, chunks
 
     def _decode_step_done(self, now: float, payload) -> None:
@@ -243,3 +246,13 @@ class _Simulation:
             else:
                 still.append(job)
         instance.running = still
+
+
+def _attention(chunks: list[tuple[_Job, int]]) -> tuple[int, int, int]:
+    """(T, Q, K) of a step computing `chunks` (job, n tokens from where its prompt stands),
+    as engine.step_log.StepShape counts them."""
+    tokens = squared = cached = 0
+    for job, n in chunks:
+        start = job.req.prompt_len - job.remaining_prompt
+        tokens, squared, cached = tokens + n, squared + n * (start + n), cached + n * start
+    return tokens, squared, cached

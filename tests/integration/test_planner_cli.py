@@ -5,11 +5,12 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import yaml
 
-from engine.profile import Profile, fit_colocated, fit_decode, fit_prefill
+from engine.profile import Profile, fit_cached_attention, fit_colocated, fit_decode, fit_prefill
 
 
 def pdserve(*args, cwd=None):
@@ -32,17 +33,33 @@ def test_profile_then_plan(tiny_llama_dir, tmp_path):
     assert len(decode) >= 4
     assert all(0 < s[2] < math.inf for s in prefill + decode)
     # the latency model is the fit of those measurements
-    assert profile.prefill_coeffs == pytest.approx(fit_prefill([tuple(s) for s in prefill]))
+    assert profile.prefill_coeffs[:3] == pytest.approx(fit_prefill([tuple(s) for s in prefill]))
     assert profile.decode_coeffs == pytest.approx(fit_decode([tuple(s) for s in decode]))
     # mixed steps: a 128-token prompt beside 4, 16 and 64 running decodes of 128-token contexts
     # (larger prompts would not fit this 512-token budget beside them)
     mixed = profile.samples["mixed"]
     assert [(t, q, b) for t, q, b, _, _ in mixed] == [(128, 128 * 128, b) for b in (4, 16, 64)]
     assert all(b * 129 <= c <= b * 140 and 0 < s < math.inf for _, _, b, c, s in mixed)
-    assert profile.colocated_coeffs == pytest.approx(
+    assert profile.colocated_coeffs[:7] == pytest.approx(
         fit_colocated([tuple(s) for s in prefill], [tuple(s) for s in decode], [tuple(s) for s in mixed]))
+    # steps over a cached 512-token prefix (1536 would not fit this 1024-token context): 64 and
+    # 256 new tokens alone and beside 4 and 16 decodes; every new token attends the whole prefix
+    cached = profile.samples["cached"]
+    assert [(t, b, k) for t, _, b, _, k, _ in cached] == [(64, 0, 64 * 512), (256, 0, 256 * 512),
+                                                          (64, 4, 64 * 512), (256, 16, 256 * 512)]
+    assert all(q == t * (512 + t) and 0 < s < math.inf for t, q, _, _, _, s in cached)
+    # ... and the K terms are what the fresh-prompt model leaves over of them
+    fresh = replace(profile, prefill_coeffs=profile.prefill_coeffs[:3], colocated_coeffs=profile.colocated_coeffs[:7])
+    assert profile.prefill_coeffs[3] == pytest.approx(fit_cached_attention(
+        [(k, s, fresh.prefill_step_s(t, q)) for t, q, b, _, k, s in cached if not b]))
+    assert profile.colocated_coeffs[7] == pytest.approx(fit_cached_attention(
+        [(k, s, fresh.colocated_step_s(t, q, b, c)) for t, q, b, c, k, s in cached if b]))
 
-    # calibrated to a step log in which decode steps took 1.5x the profile's word
+    # calibrated to a step log in which decode steps took 1.5x the profile's word (a decode
+    # model with a per-request part: a tiny model's measured one may fit to none, and then
+    # calibration cannot tell the terms apart)
+    profile = replace(profile, decode_coeffs=(0.01, 0.002, 1e-5))
+    profile_path.write_text(profile.to_json())
     logs = tmp_path / "steps"
     logs.mkdir()
     (logs / "decode-123.jsonl").write_text("".join(
@@ -53,7 +70,7 @@ def test_profile_then_plan(tiny_llama_dir, tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     calibrated = Profile.load(tmp_path / "calibrated.json")
     assert calibrated.decode_coeffs == pytest.approx(tuple(1.5 * c for c in profile.decode_coeffs))
-    assert "fixed part x1.50, per-request part x1.50, +0.00" in out.stdout  # no prefill engine in this log
+    assert "fixed part x1.50, per-request part x1.50, +0.000 of the step" in out.stdout  # no prefill engine logged
     assert calibrated.prefill_coeffs == profile.prefill_coeffs
     assert calibrated.first_token_overhead_s == 0  # none given, none in the profile
     out = pdserve("calibrate", "--profile", str(profile_path), "--step-log", str(tmp_path / "none"), "--out",

@@ -116,7 +116,7 @@ def test_a_profile_with_a_mixed_step_model_uses_it_and_scales_it(tmp_path):
     slower = simulate(slow_mixing, work, prefill=0, decode=1, colocated=True)
     faster = simulate(additive, work, prefill=0, decode=1, colocated=True)
     assert slower.percentile("tpot_s", 90) > 1.5 * faster.percentile("tpot_s", 90)
-    with pytest.raises(ValueError, match="colocated_coeffs must be 5 or 7 finite non-negative numbers"):
+    with pytest.raises(ValueError, match="colocated_coeffs must be 5, 7 or 8 finite non-negative numbers"):
         Profile("m", (0, 0, 0), (0, 0, 0), 1, 1.0, colocated_coeffs=(1.0, 2.0))
 
 
@@ -191,7 +191,7 @@ def test_malformed_profile_and_trace_are_named(tmp_path):
         Profile.load(bad)
     bad.write_text(json.dumps({"model": "m", "prefill_coeffs": [1, 2], "decode_coeffs": [0, 0, 0],
                                "kv_bytes_per_token": 1, "kv_bandwidth_bytes_per_s": 1.0}))
-    with pytest.raises(ValueError, match="prefill_coeffs must be 3 finite non-negative numbers"):
+    with pytest.raises(ValueError, match="prefill_coeffs must be 3 or 4 finite non-negative numbers"):
         Profile.load(bad)
     bad.write_text(json.dumps({"model": "m"}))
     with pytest.raises(ValueError, match="missing"):
@@ -283,6 +283,49 @@ def test_a_cached_prefix_is_neither_computed_nor_shipped():
     profile = Profile("hand", (0.1, 0.001, 0.0), (0.01, 0.002, 1e-5), 1000, 1e6, max_num_batched_tokens=512)
     result = simulate(profile, [SimRequest(0.0, 300, 5, cached_len=256)], prefill=1, decode=1)
     assert result.ttft_s == [pytest.approx(0.1 + 0.044 + 0.044)]
+
+
+def test_attention_over_kv_already_in_the_cache_costs_the_k_term():
+    """Closed forms with p3 = c7 = 1e-6 s per unit of K (new tokens x the context before
+    them): 44 tokens over a 256-token cached prefix (K = 44 x 256) on a prefill instance and,
+    locally, on the decode instance; and a 250-token prompt in chunks of 100 (K = 100 x 100
+    + 50 x 200)."""
+    from engine.profile import prefill_seconds
+
+    profile = Profile("hand", (0.1, 0.001, 0.0, 1e-6), (0.01, 0.002, 1e-5), 1000, 1e6, max_num_batched_tokens=512,
+                      colocated_coeffs=(0.1, 0.001, 0.0, 0.002, 1e-5, 0.0, 0.0, 1e-6))
+    request = [SimRequest(0.0, 300, 5, cached_len=256)]
+    assert simulate(profile, request, 1, 1).ttft_s == [pytest.approx(0.1 + 0.044 + 44 * 256e-6 + 0.044)]
+    assert simulate(profile, request, 1, 1, local_prefill_max_tokens=64).ttft_s == [
+        pytest.approx(0.1 + 0.044 + 44 * 256e-6)]
+    fresh = replace(profile, prefill_coeffs=(0.1, 0.001, 0.0), colocated_coeffs=profile.colocated_coeffs[:7])
+    assert simulate(fresh, request, 1, 1).ttft_s == [pytest.approx(0.1 + 0.044 + 0.044)]
+    chunked = replace(profile, max_num_batched_tokens=100)
+    assert prefill_seconds(chunked, 250) == pytest.approx(3 * 0.1 + 0.25 + (100 * 100 + 50 * 200) * 1e-6)
+    # a step log's K is priced the same way by calibration
+    from cluster.planner.calibrate import predicted_s
+
+    assert predicted_s(profile, {"T": 44, "Q": 44 * 300, "K": 44 * 256, "B": 0, "C": 0}) == pytest.approx(
+        0.1 + 0.044 + 44 * 256e-6)
+    assert predicted_s(profile, {"T": 44, "Q": 44 * 300, "B": 0, "C": 0}) == pytest.approx(0.144)  # logged before K
+
+
+def test_the_k_terms_are_fitted_on_steps_over_a_cached_prefix():
+    """Steps over a cached prefix that took the fresh model plus 2e-6 s (prefill) and 3e-6 s
+    (mixed) per unit of K: the profiler's fit recovers both terms and leaves the rest."""
+    from cluster.planner.profiler import with_cached_attention
+
+    fresh = Profile("m", (0.02, 0.001, 1e-7), (0.03, 0.002, 1e-6), 1000, 1e9,
+                    colocated_coeffs=(0.03, 0.001, 1e-7, 0.002, 1e-6, 0.0, 0.01))
+    samples = []
+    for t, b, cached in ((64, 0, 512), (256, 0, 1536), (1024, 0, 512), (64, 4, 1536), (256, 16, 512)):
+        q, k, c = t * (cached + t), t * cached, b * 129
+        s = (fresh.colocated_step_s(t, q, b, c) + 3e-6 * k) if b else fresh.prefill_step_s(t, q) + 2e-6 * k
+        samples.append((t, q, b, c, k, s))
+    fitted = with_cached_attention(fresh, samples)
+    assert fitted.prefill_coeffs == pytest.approx((*fresh.prefill_coeffs, 2e-6))
+    assert fitted.colocated_coeffs == pytest.approx((*fresh.colocated_coeffs, 3e-6))
+    assert with_cached_attention(fresh, []) == fresh
 
 
 def test_a_short_uncached_tail_is_prefilled_on_the_decode_instance():
@@ -381,31 +424,32 @@ def test_calibration_matches_the_steps_total_time_not_the_typical_step():
     assert record["factors"]["decode"] > 1.1
 
 
-def test_prefill_busy_is_the_share_of_a_step_the_prefill_engines_computed():
-    from cluster.planner.calibrate import prefill_busy
+def test_prefill_rate_is_the_prompt_tokens_a_second_the_prefill_engines_computed_during_a_step():
+    from cluster.planner.calibrate import prefill_rate
 
-    steps = [{"name": "prefill", "pid": 1, "t": 0.0, "s": 1.0}, {"name": "prefill", "pid": 1, "t": 1.5, "s": 1.0},
-             {"name": "prefill", "pid": 2, "t": 0.0, "s": 4.0},
-             {"name": "decode", "pid": 3, "t": 0.5, "s": 1.0},  # engine 1: 0.5 of it, engine 2: all
+    steps = [{"name": "prefill", "pid": 1, "t": 0.0, "s": 1.0, "T": 100},  # 100 tokens/s
+             {"name": "prefill", "pid": 1, "t": 1.5, "s": 1.0, "T": 300},
+             {"name": "prefill", "pid": 2, "t": 0.0, "s": 4.0, "T": 800},  # 200 tokens/s
+             {"name": "decode", "pid": 3, "t": 0.5, "s": 1.0},  # engine 1: 100/s for half of it, engine 2: 200/s
              {"name": "decode", "pid": 3, "t": 5.0, "s": 1.0}]  # neither
-    assert prefill_busy(steps)[3:] == pytest.approx([(0.5 + 1.0) / 2, 0.0])
-    assert prefill_busy([{"name": "decode", "pid": 3, "t": 0.0, "s": 1.0}]) == [0.0]  # no prefill engine logged
+    assert prefill_rate(steps)[3:] == pytest.approx([(0.5 * 100 + 200) / 2, 0.0])
+    assert prefill_rate([{"name": "decode", "pid": 3, "t": 0.0, "s": 1.0}]) == [0.0]  # no prefill engine logged
 
 
 def _serving_decode_log(profile, fixed: float, per_request: float, cotenancy: float) -> list[dict]:
     """A step log of one prefill engine and one decode engine whose decode steps took
     `fixed` x the profile's d0 + `per_request` x its d1 B + d2 C, plus `cotenancy` x the
-    profiled step for the share of it the prefill engine computed."""
+    profiled step per prompt token a second the prefill engine computed during it."""
     d0, d1, d2 = profile.decode_coeffs
     steps, t = [], 0.0
     for i, batch in enumerate((1, 2, 3, 4, 8, 16, 32, 1, 2, 6, 12, 24) * 2):
         context = batch * 200
         model = d0 + d1 * batch + d2 * context
-        busy = (1.0, 0.0, 0.5)[i % 3]
-        seconds = fixed * d0 + per_request * (d1 * batch + d2 * context) + cotenancy * busy * model
+        busy, own_rate = ((1.0, 1000.0), (0.0, 0.0), (0.5, 3000.0), (1.0, 400.0))[i % 4]
+        seconds = fixed * d0 + per_request * (d1 * batch + d2 * context) + cotenancy * busy * own_rate * model
         if busy:  # the prefill engine computes from the decode step's start for `busy` of it
-            steps.append({"name": "prefill", "pid": 1, "t": t, "s": busy * seconds, "T": 64, "Q": 4096, "B": 0,
-                          "C": 0})
+            steps.append({"name": "prefill", "pid": 1, "t": t, "s": busy * seconds, "T": own_rate * busy * seconds,
+                          "Q": 4096, "B": 0, "C": 0})
         steps.append({"name": "decode", "pid": 2, "t": t, "s": seconds, "T": 0, "Q": 0, "B": batch, "C": context})
         t += seconds + 1.0
     return steps
@@ -418,15 +462,15 @@ def test_decode_calibration_fits_the_fixed_part_the_per_request_part_and_co_tena
     from cluster.planner.calibrate import calibrate
 
     profile = Profile("m", (0.02, 0.001, 1e-7), (0.03, 0.002, 1e-6), 1000, 1e9)
-    steps = _serving_decode_log(profile, fixed=0.6, per_request=0.9, cotenancy=0.2)
+    steps = _serving_decode_log(profile, fixed=0.6, per_request=0.9, cotenancy=2e-4)
     calibrated = calibrate(profile, steps)
     terms = calibrated.samples["serving_calibration"]["decode_terms"]
-    assert terms == pytest.approx({"fixed": 0.6, "per_request": 0.9, "prefill_busy": 0.2})
-    for batch, busy in ((1, 0.0), (1, 1.0), (32, 0.0), (32, 1.0), (5, 0.3)):
+    assert terms == pytest.approx({"fixed": 0.6, "per_request": 0.9, "prefill_rate": 2e-4})
+    for batch, rate in ((1, 0.0), (1, 1000.0), (32, 0.0), (32, 3000.0), (5, 300.0)):
         context = batch * 200
         d0, d1, d2 = profile.decode_coeffs
-        truth = 0.6 * d0 + 0.9 * (d1 * batch + d2 * context) + 0.2 * busy * profile.decode_step_s(batch, context)
-        assert calibrated.decode_step_s(batch, context, busy) == pytest.approx(truth)
+        truth = 0.6 * d0 + 0.9 * (d1 * batch + d2 * context) + 2e-4 * rate * profile.decode_step_s(batch, context)
+        assert calibrated.decode_step_s(batch, context, rate) == pytest.approx(truth)
     # one factor over the same steps misses an idle step of one request by over 10%
     scalar = profile.scaled(decode=calibrated.samples["serving_calibration"]["factors"]["decode"])
     assert scalar.decode_step_s(1, 200) > 1.1 * calibrated.decode_step_s(1, 200)
@@ -436,9 +480,9 @@ def test_decode_calibration_fits_the_fixed_part_the_per_request_part_and_co_tena
 
 
 def _busy(steps):
-    from cluster.planner.calibrate import prefill_busy
+    from cluster.planner.calibrate import prefill_rate
 
-    return prefill_busy(steps)
+    return prefill_rate(steps)
 
 
 def test_decode_steps_of_one_batch_size_take_one_factor():
@@ -456,7 +500,8 @@ def test_decode_steps_of_one_batch_size_take_one_factor():
 
 def test_co_tenancy_slows_the_decode_steps_that_run_beside_a_prefill_and_no_others(tmp_path):
     profile = Profile("hand", (0.1, 0.001, 0.0), (0.01, 0.002, 1e-5), 1000, 1e6)
-    shared = replace(profile, decode_cotenancy_coeffs=(0.01, 0.002, 1e-5))  # steps twice as long beside a prefill
+    # steps twice as long beside a prefill of 1,000 tokens a second
+    shared = replace(profile, decode_cotenancy_coeffs=(1e-5, 2e-6, 1e-8))
     alone = [SimRequest(0.0, 300, 20)]
     assert simulate(shared, alone, 1, 1).tpot_s == pytest.approx(simulate(profile, alone, 1, 1).tpot_s)
     beside = [SimRequest(0.0, 300, 40), SimRequest(0.5, 2000, 2)]  # a long prompt while the first decodes
@@ -469,7 +514,47 @@ def test_co_tenancy_slows_the_decode_steps_that_run_beside_a_prefill_and_no_othe
     path = tmp_path / "p.json"
     path.write_text(shared.to_json())
     assert Profile.load(path).decode_cotenancy_coeffs == shared.decode_cotenancy_coeffs
-    assert shared.scaled(decode=2.0).decode_cotenancy_coeffs == pytest.approx((0.02, 0.004, 2e-5))
+    assert shared.scaled(decode=2.0).decode_cotenancy_coeffs == pytest.approx((2e-5, 4e-6, 2e-8))
+
+
+def test_mixed_steps_take_the_decode_steps_co_tenancy_and_a_factor_of_their_own():
+    """A log whose decode steps carry co-tenancy 2e-4 of the step per prefill token a second,
+    and whose mixed steps (a decode worker's local prefills) took 1.2x the profile's mixed
+    model plus the same co-tenancy: calibration fits m = 1.2 on the mixed steps with the
+    decode's k, so a mixed step beside no prefill is predicted at 1.2x, beside one at the
+    truth -- where one factor over the mixed steps, all logged beside a prefill, would carry
+    that co-tenancy to every mixed step."""
+    from cluster.planner.calibrate import calibrate
+
+    profile = Profile("m", (0.02, 0.001, 1e-7), (0.03, 0.002, 1e-6), 1000, 1e9,
+                      colocated_coeffs=(0.03, 0.001, 1e-7, 0.002, 1e-6, 0.0, 0.01))
+    steps = _serving_decode_log(profile, fixed=0.6, per_request=0.9, cotenancy=2e-4)
+    t = steps[-1]["t"] + 10.0
+    for i, (tokens, batch) in enumerate(((64, 4), (128, 8), (200, 2), (32, 12), (96, 6), (150, 3)) * 2):
+        model = profile.colocated_step_s(tokens, tokens * tokens, batch, batch * 200)
+        own_rate = (800.0, 1500.0)[i % 2]  # a prefill step covering the mixed step
+        seconds = 1.2 * model + 2e-4 * own_rate * model
+        steps.append({"name": "prefill", "pid": 1, "t": t, "s": seconds, "T": own_rate * seconds, "Q": 0, "B": 0,
+                      "C": 0})
+        steps.append({"name": "decode", "pid": 2, "t": t, "s": seconds, "T": tokens, "Q": tokens * tokens,
+                      "B": batch, "C": batch * 200})
+        t += seconds + 1.0
+    calibrated = calibrate(profile, steps)
+    record = calibrated.samples["serving_calibration"]
+    assert record["mixed_terms"] == pytest.approx({"step": 1.2, "prefill_rate": 2e-4})
+    model = profile.colocated_step_s(100, 10000, 5, 1000)
+    assert calibrated.colocated_step_s(100, 10000, 5, 1000) == pytest.approx(1.2 * model)
+    assert calibrated.colocated_step_s(100, 10000, 5, 1000, prefill_rate=1000.0) == pytest.approx(1.4 * model)
+    assert record["factors"]["mixed"] > 1.3  # one factor would have put the idle step there
+    # the simulator slows a local prefill beside a computing prefill instance, and no other
+    # (a short prompt prefilled locally beside a running decode; a long one on the prefill instance)
+    quiet = [SimRequest(0.0, 64, 200), SimRequest(0.1, 100, 4)]
+    beside = [SimRequest(0.0, 64, 200), SimRequest(0.01, 1500, 2), SimRequest(0.1, 100, 4)]
+    plain = replace(calibrated, mixed_cotenancy=0.0)
+    assert (simulate(calibrated, quiet, 1, 1, local_prefill_max_tokens=256).ttft_s
+            == pytest.approx(simulate(plain, quiet, 1, 1, local_prefill_max_tokens=256).ttft_s))
+    assert (simulate(calibrated, beside, 1, 1, local_prefill_max_tokens=256).ttft_s[2]
+            > 1.05 * simulate(plain, beside, 1, 1, local_prefill_max_tokens=256).ttft_s[2])
 
 
 def test_speed_change_is_the_later_logs_slowdown_over_the_earlier_ones_kind_by_kind():

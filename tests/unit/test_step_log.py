@@ -30,7 +30,7 @@ def test_shapes_of_prefill_chunks_decodes_and_mixed_steps(engine):
     assert engine.last_step_shape == StepShape(64, 64 * 64, 0, 0)
     engine.add_request("b", list(range(200, 220)), params)  # joins behind a's last chunk
     engine.step()
-    assert engine.last_step_shape == StepShape(36 + 20, 36 * 100 + 20 * 20, 0, 0)
+    assert engine.last_step_shape == StepShape(36 + 20, 36 * 100 + 20 * 20, 0, 0, 36 * 64)  # a's over its first 64
     engine.add_request("c", list(range(300, 340)), params)
     engine.step()  # a and b decode (contexts 101 and 21), c's 40-token prompt rides along
     assert engine.last_step_shape == StepShape(40, 40 * 40, 2, 101 + 21)
@@ -54,8 +54,8 @@ def test_the_async_engine_logs_every_step_when_asked(engine, tmp_path, monkeypat
 
     asyncio.run(run())
     rows = read_step_logs(tmp_path / "steps", "decode")
-    assert [(r["T"], r["Q"], r["B"], r["C"]) for r in rows] == [(30, 900, 0, 0), (0, 0, 1, 31), (0, 0, 1, 32),
-                                                                 (0, 0, 1, 33)]
+    assert [(r["T"], r["Q"], r["K"], r["B"], r["C"]) for r in rows] == [(30, 900, 0, 0, 0), (0, 0, 0, 1, 31),
+                                                                         (0, 0, 0, 1, 32), (0, 0, 0, 1, 33)]
     assert all(r["s"] > 0 and r["name"] == "decode" for r in rows)
     assert [r["t"] for r in rows] == sorted(r["t"] for r in rows)
 
