@@ -107,8 +107,10 @@ def _calibrate(args) -> int:
     if "decode_terms" in record:  # calibrate.fit_decode_terms
         terms = record["decode_terms"]
         print(f"decode steps: fixed part x{terms['fixed']:.2f}, per-request part x{terms['per_request']:.2f}, "
-              f"+{terms['prefill_rate'] * 1000:.3f} of the step per 1,000 prompt tokens/s the prefill engines "
+              f"+{terms['prefill_rate'] * 1e5:.0f}% of the step per 1,000 prompt tokens/s the prefill engines "
               f"in the log computed beside it")
+    if "mixed_terms" in record:  # calibrate.fit_mixed_terms
+        print(f"mixed steps: x{record['mixed_terms']['step']:.2f}, with the decode steps' co-tenancy term")
     return 0
 
 

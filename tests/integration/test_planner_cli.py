@@ -70,7 +70,7 @@ def test_profile_then_plan(tiny_llama_dir, tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     calibrated = Profile.load(tmp_path / "calibrated.json")
     assert calibrated.decode_coeffs == pytest.approx(tuple(1.5 * c for c in profile.decode_coeffs))
-    assert "fixed part x1.50, per-request part x1.50, +0.000 of the step" in out.stdout  # no prefill engine logged
+    assert "fixed part x1.50, per-request part x1.50, +0% of the step" in out.stdout  # no prefill engine logged
     assert calibrated.prefill_coeffs == profile.prefill_coeffs
     assert calibrated.first_token_overhead_s == 0  # none given, none in the profile
     out = pdserve("calibrate", "--profile", str(profile_path), "--step-log", str(tmp_path / "none"), "--out",
