@@ -157,24 +157,23 @@ def calibrate(profile: Profile, steps: list[dict]) -> Profile:
     co-tenancy term k, mixed steps take it too (fit_mixed_terms)."""
     totals = total_ratios(profile, steps)
     factors = {kind: ratio for kind, (count, ratio) in totals.items() if count >= MIN_STEPS}
-    calibrated = profile.scaled(prefill=factors.get("prefill", 1.0), decode=factors.get("decode", 1.0),
-                                mixed=factors.get("mixed"))
     record = {"factors": factors, "steps": {kind: count for kind, (count, _) in totals.items()},
               "median_ratios": {kind: statistics.median(r) for kind, r in step_ratios(profile, steps).items()}}
     terms = fit_decode_terms(profile, steps)
+    mixed, mixed_cotenancy = factors.get("mixed"), 0.0
+    if terms is not None and terms[2] > 0 and mixed is not None:  # mixed steps take the decode's co-tenancy
+        fitted = fit_mixed_terms(profile, steps, terms[2])
+        if fitted is not None:
+            mixed, mixed_cotenancy = fitted, terms[2] / fitted
+            record["mixed_terms"] = {"step": fitted, "prefill_rate": terms[2]}
+    calibrated = replace(profile.scaled(prefill=factors.get("prefill", 1.0), decode=factors.get("decode", 1.0),
+                                        mixed=mixed), mixed_cotenancy=mixed_cotenancy)
     if terms is not None:
         a, b, k = terms
         d0, d1, d2 = profile.decode_coeffs
         calibrated = replace(calibrated, decode_coeffs=(a * d0, b * d1, b * d2),
                              decode_cotenancy_coeffs=(k * d0, k * d1, k * d2))
         record["decode_terms"] = {"fixed": a, "per_request": b, "prefill_rate": k}
-        mixed = fit_mixed_terms(profile, steps, k) if "mixed" in factors else None
-        if mixed is not None:
-            calibrated = replace(profile.scaled(mixed=mixed), prefill_coeffs=calibrated.prefill_coeffs,
-                                 decode_coeffs=calibrated.decode_coeffs,
-                                 decode_cotenancy_coeffs=calibrated.decode_cotenancy_coeffs,
-                                 mixed_cotenancy=k / mixed)
-            record["mixed_terms"] = {"step": mixed, "prefill_rate": k}
     return replace(calibrated, samples={**profile.samples, "serving_calibration": record})
 
 
