@@ -92,25 +92,33 @@ def total_ratios(profile: Profile, steps: list[dict]) -> dict[str, tuple[int, fl
 
 def prefill_rate(steps: list[dict]) -> list[float]:
     """For each step record, the prompt tokens a second that the prefill engines (records
-    named PREFILL_ENGINE, one engine per pid) computed during its span, averaged over those
-    engines: each prefill step overlapping it counts its own rate (T / s) for the share of
-    the span it overlaps; all 0 when the log has none."""
+    named PREFILL_ENGINE, one engine per pid) computed during its span, averaged over the
+    engines alive then (from an engine's first logged step to the end of its last): each
+    prefill step overlapping it counts its own rate (T / s) for the share of the span it
+    overlaps; 0 where no prefill engine was alive.
+
+    Alive, not all logged: a log pooled from several services (a validation's calibration
+    replays, one service after another, or `pdserve calibrate` over a directory of earlier
+    runs) holds engines that never ran beside each other. Averaged over all of them, three
+    replays' pooled rates came out a third of each replay's own and the co-tenancy term
+    fitted on them 3x (6.5e-4 against 2.1-2.3e-4 per token a second, run G of 2026-12-04)."""
     engines: dict[int, list[tuple[float, float, float]]] = {}
     for step in sorted((s for s in steps if s.get("name") == PREFILL_ENGINE), key=lambda s: s["t"]):
         engines.setdefault(step["pid"], []).append((step["t"], step["t"] + step["s"], step["T"] / max(step["s"], 1e-6)))
-    if not engines:
-        return [0.0] * len(steps)
     starts = {pid: [start for start, _, _ in spans] for pid, spans in engines.items()}
+    lives = {pid: (spans[0][0], max(end for _, end, _ in spans)) for pid, spans in engines.items()}
     rates = []
     for step in steps:
         begin, end = step["t"], step["t"] + step["s"]
+        alive = [pid for pid, (born, gone) in lives.items() if born < end and gone > begin]
         tokens = 0.0
-        for pid, spans in engines.items():
+        for pid in alive:
+            spans = engines[pid]
             i = bisect.bisect_left(starts[pid], end) - 1  # an engine's steps do not overlap:
             while i >= 0 and spans[i][1] > begin:  # walk back over those ending inside the step
                 tokens += (min(spans[i][1], end) - max(spans[i][0], begin)) * spans[i][2]
                 i -= 1
-        rates.append(tokens / (end - begin) / len(engines) if end > begin else 0.0)
+        rates.append(tokens / (end - begin) / len(alive) if alive and end > begin else 0.0)
     return rates
 
 

@@ -436,6 +436,21 @@ def test_prefill_rate_is_the_prompt_tokens_a_second_the_prefill_engines_computed
     assert prefill_rate([{"name": "decode", "pid": 3, "t": 0.0, "s": 1.0}]) == [0.0]  # no prefill engine logged
 
 
+def test_prefill_rate_of_a_pooled_log_averages_only_over_the_engines_alive_beside_the_step():
+    """Two services one after another (a prefill engine each) pooled into one log: each
+    decode step's rate is its own service's prefill engine's, not halved by the other's."""
+    from cluster.planner.calibrate import prefill_rate
+
+    first = [{"name": "prefill", "pid": 1, "t": 0.0, "s": 2.0, "T": 600},  # 300 tokens/s
+             {"name": "decode", "pid": 2, "t": 0.5, "s": 1.0}]
+    second = [{"name": "prefill", "pid": 3, "t": 10.0, "s": 1.0, "T": 100},  # 100 tokens/s
+              {"name": "prefill", "pid": 3, "t": 12.0, "s": 1.0, "T": 100},
+              {"name": "decode", "pid": 4, "t": 11.0, "s": 1.0}]  # between its engine's steps: 0
+    pooled = prefill_rate(first + second)
+    assert pooled == pytest.approx([300.0, 300.0, 100.0, 100.0, 0.0])
+    assert pooled[1] == prefill_rate(first)[1]
+
+
 def _serving_decode_log(profile, fixed: float, per_request: float, cotenancy: float) -> list[dict]:
     """A step log of one prefill engine and one decode engine whose decode steps took
     `fixed` x the profile's d0 + `per_request` x its d1 B + d2 C, plus `cotenancy` x the
