@@ -105,6 +105,8 @@ def prefill_rate(steps: list[dict]) -> list[float]:
     engines: dict[int, list[tuple[float, float, float]]] = {}
     for step in sorted((s for s in steps if s.get("name") == PREFILL_ENGINE), key=lambda s: s["t"]):
         engines.setdefault(step["pid"], []).append((step["t"], step["t"] + step["s"], step["T"] / max(step["s"], 1e-6)))
+    if not engines:
+        return [0.0] * len(steps)
     starts = {pid: [start for start, _, _ in spans] for pid, spans in engines.items()}
     lives = {pid: (spans[0][0], max(end for _, end, _ in spans)) for pid, spans in engines.items()}
     rates = []
