@@ -67,9 +67,10 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 started = self._step_started = time.monotonic()
-                started_wall = time.time()
+                started_wall, process_cpu = time.time(), time.process_time()
+                thread_cpu = None
                 try:
-                    outputs = await loop.run_in_executor(self._executor, self.engine.step)
+                    outputs, thread_cpu = await loop.run_in_executor(self._executor, self._timed_step)
                 except Exception:
                     logger.exception("engine step failed; aborting its requests")
                     outputs = self._abort_all()
@@ -77,7 +78,8 @@ class AsyncEngine:
                     self._step_started = None
                 seconds = time.monotonic() - started
                 self.step_seconds.observe(seconds)
-                self.step_log.record(started_wall, seconds, self.engine.last_step_shape)
+                self.step_log.record(started_wall, seconds, self.engine.last_step_shape, thread_cpu,
+                                     time.process_time() - process_cpu)
                 self.batch_size.observe(self.engine.last_step_sequences)
                 if self.stats_fn is not None:
                     self._snapshot = self.stats_fn()
@@ -88,6 +90,12 @@ class AsyncEngine:
                     listener(output)
             for callback in self.after_step:
                 callback()
+
+    def _timed_step(self) -> tuple[list[RequestOutput], float]:
+        """engine.step() and the CPU seconds this thread spent in it (the step log's "u")."""
+        cpu = time.thread_time()
+        outputs = self.engine.step()
+        return outputs, time.thread_time() - cpu
 
     def step_running_s(self) -> float:
         """How long the step now running has run (0 between steps): a health check's measure

@@ -4,8 +4,13 @@ latency model (engine.profile): the record that checks the model against serving
 Off unless the environment variable PDSERVE_STEP_LOG names a directory; each engine driver
 then appends one JSON line per step to `<dir>/<name>-<pid>.jsonl`:
 `{"t": wall start, "s": seconds, "T": prefill tokens, "Q": their attention, "K": the part of it
-over KV computed before the step, "B": decode rows, "C": their context}`
-(benchmarks/planner_validation.py reads them; logs from before "K" was recorded lack it).
+over KV computed before the step, "B": decode rows, "C": their context, "u": CPU seconds of the
+thread that ran the step, "p": CPU seconds of the whole process during it}`
+(benchmarks/planner_validation.py reads them; logs from before "K" was recorded lack it, and
+from before "u"/"p" those). On an engine of one torch thread, s - p is the time the core gave
+to other processes (the router, the clients, Ray, a prefill worker's spill-over) and p - u the
+worker's own other threads (RPCs, token streaming, KV receives); with more threads, u misses
+torch's worker threads and p counts them.
 """
 
 from __future__ import annotations
@@ -58,12 +63,17 @@ class StepLog:
             Path(directory).mkdir(parents=True, exist_ok=True)
             self._file = open(Path(directory) / f"{name or 'engine'}-{os.getpid()}.jsonl", "a", buffering=1)  # noqa: SIM115
 
-    def record(self, started_wall: float, seconds: float, shape: StepShape) -> None:
+    def record(self, started_wall: float, seconds: float, shape: StepShape, thread_cpu: float | None = None,
+               process_cpu: float | None = None) -> None:
+        """One step: its wall start and seconds, its shape, and where known the CPU seconds the
+        stepping thread spent in it ("u") and the whole process spent during it ("p")."""
         if self._file is not None:
-            self._file.write(json.dumps({"t": round(started_wall, 4), "s": round(seconds, 5),
-                                         "T": shape.prefill_tokens, "Q": shape.prefill_squared,
-                                         "K": shape.prefill_cached, "B": shape.decode_batch,
-                                         "C": shape.decode_context}) + "\n")
+            row = {"t": round(started_wall, 4), "s": round(seconds, 5), "T": shape.prefill_tokens,
+                   "Q": shape.prefill_squared, "K": shape.prefill_cached, "B": shape.decode_batch,
+                   "C": shape.decode_context}
+            if thread_cpu is not None and process_cpu is not None:
+                row.update(u=round(thread_cpu, 5), p=round(process_cpu, 5))
+            self._file.write(json.dumps(row) + "\n")
 
     def close(self) -> None:
         if self._file is not None:

@@ -58,6 +58,42 @@ def test_the_async_engine_logs_every_step_when_asked(engine, tmp_path, monkeypat
                                                                          (0, 0, 0, 1, 32), (0, 0, 0, 1, 33)]
     assert all(r["s"] > 0 and r["name"] == "decode" for r in rows)
     assert [r["t"] for r in rows] == sorted(r["t"] for r in rows)
+    # the CPU the stepping thread spent ("u") is part of what the process spent ("p") then
+    assert all(0 <= r["u"] <= r["p"] + 1e-3 for r in rows)
+    assert rows[0]["u"] > 0  # the 30-token prompt's step computed on the stepping thread
+
+
+def test_the_cpu_split_of_a_step_shows_a_busy_neighbour_thread(engine, tmp_path, monkeypatch):
+    """A thread of the same process spinning beside the steps shows in "p" and not in "u":
+    the record that tells a step's own compute from its process's other threads."""
+    import threading
+
+    monkeypatch.setenv(ENV, str(tmp_path / "steps"))
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            sum(range(1000))
+
+    async def run():
+        aengine = AsyncEngine(engine, name="decode")
+        aengine.start()
+        done = asyncio.Event()
+        aengine.listeners["y"] = lambda out: out.finished and done.set()
+        engine.add_request("y", list(range(600, 630)), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+        aengine.wake()
+        await asyncio.wait_for(done.wait(), 60)
+        await aengine.stop()
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    try:
+        asyncio.run(run())
+    finally:
+        stop.set()
+        spinner.join()
+    rows = read_step_logs(tmp_path / "steps", "decode")
+    assert sum(r["p"] for r in rows) > 1.2 * sum(r["u"] for r in rows)
 
 
 def test_no_log_unless_asked(tmp_path, monkeypatch):
