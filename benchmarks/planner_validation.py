@@ -7,8 +7,20 @@
 2. calibrate each profile to serving (cluster.planner.calibrate): replay online-poisson
    requests 100-159 through the real service in each layout with step logging on
    (engine.step_log), `--settle-runs` times discarded (serving ran slower in the first
-   minutes after start); then, at the start of every round of repeats, once more in each
-   layout: prefill and mixed steps scaled by their measured over their predicted time in
+   minutes after start), at the engine-only profile's 1P+1D capacity; then, at the start of
+   every round of repeats, once more in each layout, at the 1P+1D capacity that the last
+   settling replay's calibration gives (serving's capacity, not the engine alone's: at the
+   engine-only capacity, 1.3x serving's on this host, the prefill worker fell behind for the
+   whole replay, and the decode worker's steps beside it ran slower than the runs' beside a
+   prefill worker computing as many tokens a second -- their own compute 1.11-1.13x the
+   engine-only model against 1.00-1.06x, other processes on their core 11% of it against
+   6-8%, in the step logs' CPU split of 2026-12-04 -- which the latency model does not
+   carry and every run was predicted too slow by; calibrated instead on the online point at
+   serving's capacity, 1.0x -- whose requests the other online points share, interference's
+   and chat's not -- the other 1P+1D points' 48 cells in four validations came within 6 pp
+   but for one, run F's interference at the tight TPOT, +11.9 pp after its rounds' drift,
+   where the calibration replays had missed 4 of those 48 by up to 30.8 pp);
+   prefill and mixed steps scaled by their measured over their predicted time in
    all in that replay, decode steps fitted term by term (the profile's fixed part, its
    per-request part, and the extra while the prefill worker beside it computes:
    calibrate.fit_decode_terms), and the first-token overhead (the serving path's fixed cost
@@ -495,10 +507,12 @@ def main() -> None:
               "slos": [slo_name(s) for s in slos], "host_scale": scale,
               "local_prefill_max_tokens": local, "repeats": args.repeats,
               "points": points}
-    # serving calibration: online-poisson requests 100-159 (none of them replayed below) at
-    # the engine-only 1P+1D capacity
+    # serving calibration: online-poisson requests 100-159 (none of them replayed below); the
+    # settling replays at the engine-only 1P+1D capacity, each round's at the capacity that the
+    # last settling replay's calibration gives (calibration_rate)
     calibration_trace = rescale(online, min(capacity_1p1d(engine_only["disaggregated"])))
     calibration_work = calibration_trace[100:160]
+    result["calibration_rate"] = {"engine_only_capacity": min(capacity_1p1d(engine_only["disaggregated"]))}
     # before every replay: requests 160-171 at the same rate, outputs cut to 32 tokens
     warmup = to_replay([replace(r, output_len=min(r.output_len, 32)) for r in calibration_trace[160:172]], seed=1)
 
@@ -583,13 +597,22 @@ def main() -> None:
     with local_ray(4):
         # --settle-runs calibration replays per layout discarded, then one per layout at the
         # start of every round, whose calibration predicts that round's runs
-        result["calibration_work"] = compact(calibration_work)
         result["calibration"] = {layout: {"settle": [], "rounds": []} for layout in LAYOUTS}
         for settle in range(args.settle_runs):
             for layout in LAYOUTS:
                 print(f"calibration (settling) {settle + 1}: {layout}, {len(calibration_work)} requests ...",
                       flush=True)
-                result["calibration"][layout]["settle"].append(replay_calibration(layout)[1])
+                steps, record = replay_calibration(layout)
+                result["calibration"][layout]["settle"].append(record)
+                if layout == "disaggregated" and settle == args.settle_runs - 1:
+                    settled = first_token_calibrated(calibrate(engine_only[layout], steps), layout,
+                                                     [record["latencies"]])
+                    rate = result["calibration_rate"]["settled_capacity"] = min(capacity_1p1d(settled))
+                    print(f"  calibration replays from here at {rate:.2f} req/s, the capacity this replay's "
+                          f"calibration gives", flush=True)
+        if "settled_capacity" in result["calibration_rate"]:
+            calibration_work = rescale(online, result["calibration_rate"]["settled_capacity"])[100:160]
+        result["calibration_work"] = compact(calibration_work)
         round_steps: dict[str, list] = {layout: [] for layout in LAYOUTS}
         probes["fastest"] = min(machine_probe() for _ in range(3))
         for repeat in range(args.repeats):
