@@ -111,6 +111,10 @@ def _calibrate(args) -> int:
               f"in the log computed beside it")
     if "mixed_terms" in record:  # calibrate.fit_mixed_terms
         print(f"mixed steps: x{record['mixed_terms']['step']:.2f}, with the decode steps' co-tenancy term")
+    for name, split in record.get("cpu_split", {}).items():  # calibrate.cpu_split
+        print(f"{name} engines' step time: {split['own']:.0%} the stepping thread, {split['threads']:.0%} their "
+              f"process's other threads, {split['other']:.0%} other processes or waiting for a core "
+              f"(exact for engines of one torch thread)")
     return 0
 
 

@@ -124,6 +124,30 @@ def prefill_rate(steps: list[dict]) -> list[float]:
     return rates
 
 
+def cpu_split(steps: list[dict]) -> dict[str, dict[str, float]]:
+    """For each engine name among `steps` whose records carry the CPU split (engine.step_log's
+    "u" and "p"), the share of its steps' wall time in all that went to the step's own thread
+    ("own"), to the rest of its process ("threads": RPCs, token streaming, KV receives) and
+    elsewhere ("other": other processes on its cores, or waiting for a core). Exact for an
+    engine of one torch thread; with more, torch's worker threads count under "threads".
+    Logs from before the split was recorded give {}.
+
+    Why: it tells what a calibration's factors are made of. In one validation (2026-12-04,
+    run H) a 1-core decode worker's steps spent 4% of the model's time in its other threads
+    and none elsewhere while the prefill worker on the other core was idle, and 8% and 6-8%
+    while it computed (the router and the clients moved onto the decode worker's core); in
+    a calibration replay that overloaded the prefill worker, 9% and 11%."""
+    sums: dict[str, list[float]] = {}
+    for step in steps:
+        if "u" in step and "p" in step:
+            total = sums.setdefault(step.get("name", "engine"), [0.0, 0.0, 0.0])
+            total[0] += step["s"]
+            total[1] += step["u"]
+            total[2] += step["p"]
+    return {name: {"own": u / s, "threads": (p - u) / s, "other": (s - p) / s}
+            for name, (s, u, p) in sums.items() if s > 0}
+
+
 def speed_change(profile: Profile, then: list[dict], now: list[dict]) -> dict[str, float]:
     """How many times as long each kind of step took in the step log `now` as in `then`, both
     measured against `profile` (measured over predicted seconds in all, total_ratios), for
@@ -160,8 +184,9 @@ def calibrate(profile: Profile, steps: list[dict]) -> Profile:
     kind's measured seconds in all over its predicted seconds in all; decode steps fitted
     term by term (fit_decode_terms: d0 by a, d1 and d2 by b, decode_cotenancy_coeffs set to
     k times d0..d2), or scaled like the others where the terms cannot be told apart. The
-    factors, step counts, median per-step ratios and decode terms are recorded in the
-    result's samples["serving_calibration"]. A kind with fewer than MIN_STEPS steps: prefill
+    factors, step counts, median per-step ratios, decode terms and, where the log has it, the
+    steps' CPU split (cpu_split) are recorded in the result's samples["serving_calibration"].
+    A kind with fewer than MIN_STEPS steps: prefill
     or decode keeps its profiled coefficients; mixed steps take the prefill factor on their
     prefill terms and the decode factor on the rest. Where the decode terms carry a
     co-tenancy term k, mixed steps take it too (fit_mixed_terms)."""
@@ -169,6 +194,8 @@ def calibrate(profile: Profile, steps: list[dict]) -> Profile:
     factors = {kind: ratio for kind, (count, ratio) in totals.items() if count >= MIN_STEPS}
     record = {"factors": factors, "steps": {kind: count for kind, (count, _) in totals.items()},
               "median_ratios": {kind: statistics.median(r) for kind, r in step_ratios(profile, steps).items()}}
+    if split := cpu_split(steps):
+        record["cpu_split"] = split
     terms = fit_decode_terms(profile, steps)
     mixed, mixed_cotenancy = factors.get("mixed"), 0.0
     if terms is not None and terms[2] > 0 and mixed is not None:  # mixed steps take the decode's co-tenancy

@@ -630,3 +630,20 @@ def test_first_token_calibration_takes_the_median_gap_and_replaces_an_earlier_on
     path.write_text(json.dumps({**json.loads(calibrated.to_json()), "first_token_overhead_s": -1}))
     with pytest.raises(ValueError, match="first_token_overhead_s"):
         Profile.load(path)
+
+
+def test_cpu_split_shares_each_engines_step_time_between_its_thread_its_process_and_the_rest():
+    from cluster.planner.calibrate import calibrate, cpu_split
+
+    steps = [{"name": "decode", "s": 0.10, "u": 0.08, "p": 0.09},  # 80% own, 10% threads, 10% other
+             {"name": "decode", "s": 0.30, "u": 0.24, "p": 0.27},
+             {"name": "prefill", "s": 1.0, "u": 0.9, "p": 0.95},
+             {"name": "decode", "s": 0.2}]  # logged before the split: left out
+    split = cpu_split(steps)
+    assert split["decode"] == pytest.approx({"own": 0.8, "threads": 0.1, "other": 0.1})
+    assert split["prefill"] == pytest.approx({"own": 0.9, "threads": 0.05, "other": 0.05})
+    assert cpu_split([{"name": "decode", "s": 0.2}]) == {}
+    logged = [{**step, "t": float(i), "T": 0, "Q": 0, "K": 0, "B": 4, "C": 400, "u": 0.02, "p": 0.03}
+              for i, step in enumerate({"name": "decode", "s": 0.04} for _ in range(6))]
+    record = calibrate(PROFILE, logged).samples["serving_calibration"]
+    assert record["cpu_split"]["decode"] == pytest.approx({"own": 0.5, "threads": 0.25, "other": 0.25})
