@@ -17,7 +17,7 @@
    6-8%, in the step logs' CPU split of 2026-12-04 -- which the latency model does not
    carry and every run was predicted too slow by; calibrated instead on the online point at
    serving's capacity, 1.0x -- whose requests the other online points share, interference's
-   and chat's not -- the other 1P+1D points' 48 cells in four validations came within 6 pp
+   and chat's not -- the other 1P+1D points' 48 cells in four validations came within 7 pp
    but for one, run F's interference at the tight TPOT, +11.9 pp after its rounds' drift,
    where the calibration replays had missed 4 of those 48 by up to 30.8 pp);
    prefill and mixed steps scaled by their measured over their predicted time in
