@@ -39,20 +39,27 @@ def test_shapes_of_prefill_chunks_decodes_and_mixed_steps(engine):
     _drain(engine)
 
 
-def test_the_async_engine_logs_every_step_when_asked(engine, tmp_path, monkeypatch):
-    monkeypatch.setenv(ENV, str(tmp_path / "steps"))
+def _serve_one(engine, request_id: str, prompt: list[int], max_tokens: int) -> None:
+    """Run one request to its end through a real AsyncEngine named "decode" (its steps logged
+    when PDSERVE_STEP_LOG is set)."""
 
     async def run():
         aengine = AsyncEngine(engine, name="decode")
         aengine.start()
         done = asyncio.Event()
-        aengine.listeners["x"] = lambda out: out.finished and done.set()
-        engine.add_request("x", list(range(500, 530)), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        aengine.listeners[request_id] = lambda out: out.finished and done.set()
+        engine.add_request(request_id, prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
         aengine.wake()
         await asyncio.wait_for(done.wait(), 60)
         await aengine.stop()
 
     asyncio.run(run())
+
+
+def test_the_async_engine_logs_every_step_when_asked(engine, tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV, str(tmp_path / "steps"))
+
+    _serve_one(engine, "x", list(range(500, 530)), 4)
     rows = read_step_logs(tmp_path / "steps", "decode")
     assert [(r["T"], r["Q"], r["K"], r["B"], r["C"]) for r in rows] == [(30, 900, 0, 0, 0), (0, 0, 0, 1, 31),
                                                                          (0, 0, 0, 1, 32), (0, 0, 0, 1, 33)]
@@ -75,20 +82,10 @@ def test_the_cpu_split_of_a_step_shows_a_busy_neighbour_thread(engine, tmp_path,
         while not stop.is_set():
             sum(range(1000))
 
-    async def run():
-        aengine = AsyncEngine(engine, name="decode")
-        aengine.start()
-        done = asyncio.Event()
-        aengine.listeners["y"] = lambda out: out.finished and done.set()
-        engine.add_request("y", list(range(600, 630)), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
-        aengine.wake()
-        await asyncio.wait_for(done.wait(), 60)
-        await aengine.stop()
-
     spinner = threading.Thread(target=spin)
     spinner.start()
     try:
-        asyncio.run(run())
+        _serve_one(engine, "y", list(range(600, 630)), 6)
     finally:
         stop.set()
         spinner.join()
