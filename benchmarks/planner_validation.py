@@ -21,9 +21,9 @@
    but for one, run F's interference at the tight TPOT, +11.9 pp after its rounds' drift,
    where the calibration replays had missed 4 of those 48 by up to 30.8 pp);
    prefill and mixed steps scaled by their measured over their predicted time in
-   all in that replay, decode steps fitted term by term (the profile's fixed part, its
-   per-request part, and the extra while the prefill worker beside it computes:
-   calibrate.fit_decode_terms), and the first-token overhead (the serving path's fixed cost
+   all in that replay (mixed steps with a size exponent where their sizes span enough:
+   calibrate.fit_mixed_size), decode steps by one factor and the extra while the prefill
+   worker beside them computes (calibrate.fit_decode_terms), and the first-token overhead (the serving path's fixed cost
    of a first token beside the engine steps) set to the replay's median measured minus
    simulated TTFT.
    A round's runs are predicted by the calibration taken just before them (this shared
@@ -629,10 +629,11 @@ def main() -> None:
                 record["factors"] = profiles[layout].samples["serving_calibration"]["factors"]
                 record["decode_terms"] = profiles[layout].samples["serving_calibration"].get("decode_terms")
                 record["mixed_terms"] = profiles[layout].samples["serving_calibration"].get("mixed_terms")
+                record["mixed_size"] = profiles[layout].samples["serving_calibration"].get("mixed_size")
                 record["first_token_overhead_s"] = profiles[layout].first_token_overhead_s
                 result["calibration"][layout]["rounds"].append(record)
                 print(f"  calibrated factors {record['factors']}, decode terms {record['decode_terms']}, "
-                      f"mixed terms {record['mixed_terms']}, "
+                      f"mixed terms {record['mixed_terms']}, mixed size {record['mixed_size']}, "
                       f"first-token overhead {record['first_token_overhead_s'] * 1000:.0f} ms", flush=True)
             if repeat == 0:  # the points, at rates from the first round's calibrated capacity
                 define_points(profiles["disaggregated"])

@@ -106,9 +106,12 @@ def _calibrate(args) -> int:
           f"(from {record['steps']} steps)")
     if "decode_terms" in record:  # calibrate.fit_decode_terms
         terms = record["decode_terms"]
-        print(f"decode steps: fixed part x{terms['fixed']:.2f}, per-request part x{terms['per_request']:.2f}, "
-              f"+{terms['prefill_rate'] * 1e5:.0f}% of the step per 1,000 prompt tokens/s the prefill engines "
-              f"in the log computed beside it")
+        print(f"decode steps: x{terms['factor']:.2f}, +{terms['prefill_rate'] * 1e5:.0f}% of the step per 1,000 "
+              f"prompt tokens/s the prefill engines in the log computed beside it")
+    if "mixed_size" in record:  # calibrate.fit_mixed_size
+        size = record["mixed_size"]
+        print(f"mixed steps: serving's slowdown falls with their size, as (step / {size['reference_s']:.2f} s) ** "
+              f"-{size['exponent']:.2f}")
     if "mixed_terms" in record:  # calibrate.fit_mixed_terms
         print(f"mixed steps: x{record['mixed_terms']['step']:.2f}, with the decode steps' co-tenancy term")
     for name, split in record.get("cpu_split", {}).items():  # calibrate.cpu_split

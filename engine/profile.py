@@ -21,6 +21,8 @@ a mixed step (both at once: a colocated engine, or a decode worker prefilling lo
     terms carry five or seven coefficients: the missing ones are 0.
     (profiles without mixed samples: one weight pass doing both, p0 + p1 T + p2 Q + p3 K +
     d1 B + d2 C)
+    serving calibration may add a size exponent a: M * (M / reference) ** -a (a colocated
+    engine's small mixed steps slowed more than its large ones; Profile.colocated_step_s)
 a decode step while prefill instances sharing its host compute takes longer by
     rate * (e0 + e1 * B + e2 * C), rate being the prompt tokens per second those prefill
     instances compute at (averaged over them, 0 while idle): co-tenancy on one host's caches
@@ -66,6 +68,11 @@ class Profile:
     # prefill instances beside it compute (the same co-tenancy, on a decode worker's local
     # prefills)
     mixed_cotenancy: float = 0.0
+    # serving's slowdown of a mixed step falls with the step's size: the mixed model M is
+    # taken as M * (M / mixed_reference_s) ** -mixed_size_exponent (see colocated_step_s;
+    # 0: a plain factor, as profiled engine-alone steps need; serving calibration measures it)
+    mixed_size_exponent: float = 0.0
+    mixed_reference_s: float = 1.0
     samples: dict = field(default_factory=dict, compare=False)  # raw measurements, for the record
 
     def __post_init__(self) -> None:
@@ -81,6 +88,12 @@ class Profile:
         if not (isinstance(self.mixed_cotenancy, int | float) and math.isfinite(self.mixed_cotenancy)
                 and self.mixed_cotenancy >= 0):
             raise ValueError(f"profile mixed_cotenancy must be a finite number >= 0, got {self.mixed_cotenancy!r}")
+        exponent = self.mixed_size_exponent
+        if not (isinstance(exponent, int | float) and 0 <= exponent < 1):
+            raise ValueError(f"profile mixed_size_exponent must be a number in [0, 1), got {exponent!r}")
+        if not (isinstance(self.mixed_reference_s, int | float) and math.isfinite(self.mixed_reference_s)
+                and self.mixed_reference_s > 0):
+            raise ValueError(f"profile mixed_reference_s must be a finite number > 0, got {self.mixed_reference_s!r}")
         overhead = self.first_token_overhead_s
         if not (isinstance(overhead, int | float) and math.isfinite(overhead) and overhead >= 0):
             raise ValueError(f"profile first_token_overhead_s must be a finite number >= 0, got {overhead!r}")
@@ -110,7 +123,15 @@ class Profile:
                          prefill_rate: float = 0.0) -> float:
         """A step of prompt chunks (`tokens`, `squared`, `cached`: T, Q, K) beside `batch`
         decodes of `context` tokens in all, while prefill instances sharing its host compute
-        `prefill_rate` prompt tokens a second (a decode worker's local prefill)."""
+        `prefill_rate` prompt tokens a second (a decode worker's local prefill).
+
+        With a mixed_size_exponent a, the model M is taken as M * (M / mixed_reference_s) ** -a:
+        serving slows a small mixed step more than a large one. Measured on a colocated engine
+        of two threads on 2 cores (validation runs I and J of 2026-12-04): its mixed steps
+        took 1.8-1.9x the engine-alone model at 0.3-0.6 s, 1.6-1.7x at 1-1.5 s and 1.3-1.4x
+        at 2.2-3.5 s; fitted on the calibration replays' steps a = 0.12-0.14, on the
+        interference runs' 0.11-0.12. A decode worker's mixed steps (one torch thread) fitted
+        about 0 (-0.07 to 0.02)."""
         if self.colocated_coeffs is not None:
             c0, c1, c2, c3, c4, c5, c6, c7 = (*self.colocated_coeffs, 0.0, 0.0, 0.0)[:8]
             both = 1.0 if tokens and batch else 0.0
@@ -120,6 +141,8 @@ class Profile:
             _, d1, d2 = self.decode_coeffs
             step = (max(self.prefill_coeffs[0], self.decode_coeffs[0]) - self.prefill_coeffs[0]
                     + self.prefill_step_s(tokens, squared, cached) + d1 * batch + d2 * context)
+        if self.mixed_size_exponent and step > 0:
+            step *= (step / self.mixed_reference_s) ** -self.mixed_size_exponent
         return step * (1.0 + self.mixed_cotenancy * prefill_rate)
 
     def step_s(self, tokens: int, squared: float, batch: int, context: int, cached: float = 0,
@@ -139,10 +162,12 @@ class Profile:
     def scaled(self, prefill: float = 1.0, decode: float = 1.0, mixed: float | None = None) -> Profile:
         """The same profile with step times multiplied: prefill steps by `prefill`, decode
         steps by `decode`, mixed steps by `mixed` (default: their prefill terms by `prefill`,
-        their decode terms by `decode`). Autoscaler corrections; serving calibration."""
+        their decode terms by `decode`, and mixed_reference_s, so that a size exponent keeps
+        its meaning, by the larger of the two). Autoscaler corrections; serving calibration."""
         from dataclasses import replace
 
         colocated = self.colocated_coeffs
+        reference = self.mixed_reference_s * (mixed if mixed is not None else max(prefill, decode))
         if mixed is not None:
             p0, p1, p2, p3 = (*self.prefill_coeffs, 0.0)[:4]
             _, d1, d2 = self.decode_coeffs
@@ -155,7 +180,8 @@ class Profile:
                          *(c * f for c, f in zip(colocated[5:], (prefill, both, prefill), strict=False)))
         return replace(self, prefill_coeffs=tuple(c * prefill for c in self.prefill_coeffs),
                        decode_coeffs=tuple(c * decode for c in self.decode_coeffs), colocated_coeffs=colocated,
-                       decode_cotenancy_coeffs=tuple(c * decode for c in self.decode_cotenancy_coeffs))
+                       decode_cotenancy_coeffs=tuple(c * decode for c in self.decode_cotenancy_coeffs),
+                       mixed_reference_s=reference)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)

@@ -451,17 +451,16 @@ def test_prefill_rate_of_a_pooled_log_averages_only_over_the_engines_alive_besid
     assert pooled[1] == prefill_rate(first)[1]
 
 
-def _serving_decode_log(profile, fixed: float, per_request: float, cotenancy: float) -> list[dict]:
+def _serving_decode_log(profile, factor: float, cotenancy: float) -> list[dict]:
     """A step log of one prefill engine and one decode engine whose decode steps took
-    `fixed` x the profile's d0 + `per_request` x its d1 B + d2 C, plus `cotenancy` x the
-    profiled step per prompt token a second the prefill engine computed during it."""
-    d0, d1, d2 = profile.decode_coeffs
+    `factor` x the profile's decode model, plus `cotenancy` x the profiled step per prompt
+    token a second the prefill engine computed during it."""
     steps, t = [], 0.0
     for i, batch in enumerate((1, 2, 3, 4, 8, 16, 32, 1, 2, 6, 12, 24) * 2):
         context = batch * 200
-        model = d0 + d1 * batch + d2 * context
+        model = profile.decode_step_s(batch, context)
         busy, own_rate = ((1.0, 1000.0), (0.0, 0.0), (0.5, 3000.0), (1.0, 400.0))[i % 4]
-        seconds = fixed * d0 + per_request * (d1 * batch + d2 * context) + cotenancy * busy * own_rate * model
+        seconds = factor * model + cotenancy * busy * own_rate * model
         if busy:  # the prefill engine computes from the decode step's start for `busy` of it
             steps.append({"name": "prefill", "pid": 1, "t": t, "s": busy * seconds, "T": own_rate * busy * seconds,
                           "Q": 4096, "B": 0, "C": 0})
@@ -470,25 +469,24 @@ def _serving_decode_log(profile, fixed: float, per_request: float, cotenancy: fl
     return steps
 
 
-def test_decode_calibration_fits_the_fixed_part_the_per_request_part_and_co_tenancy():
-    """Serving slowed a decode step's fixed part and its per-request part differently, and
-    more while the prefill engine computed: calibration recovers each term, and so predicts
-    steps of any batch, busy or not, where one factor over all steps cannot."""
+def test_decode_calibration_fits_one_factor_and_co_tenancy():
+    """Serving slowed every decode step 1.3x, and more while the prefill engine computed:
+    calibration recovers the factor and the co-tenancy term, so predicts steps of any batch,
+    busy or not, and keeps the steps' total."""
     from cluster.planner.calibrate import calibrate
 
     profile = Profile("m", (0.02, 0.001, 1e-7), (0.03, 0.002, 1e-6), 1000, 1e9)
-    steps = _serving_decode_log(profile, fixed=0.6, per_request=0.9, cotenancy=2e-4)
+    steps = _serving_decode_log(profile, factor=1.3, cotenancy=2e-4)
     calibrated = calibrate(profile, steps)
     terms = calibrated.samples["serving_calibration"]["decode_terms"]
-    assert terms == pytest.approx({"fixed": 0.6, "per_request": 0.9, "prefill_rate": 2e-4})
-    for batch, rate in ((1, 0.0), (1, 1000.0), (32, 0.0), (32, 3000.0), (5, 300.0)):
+    assert terms == pytest.approx({"factor": 1.3, "prefill_rate": 2e-4})
+    for batch, rate in ((1, 0.0), (1, 1000.0), (32, 0.0), (32, 3000.0), (5, 300.0), (64, 0.0)):
         context = batch * 200
-        d0, d1, d2 = profile.decode_coeffs
-        truth = 0.6 * d0 + 0.9 * (d1 * batch + d2 * context) + 2e-4 * rate * profile.decode_step_s(batch, context)
+        truth = (1.3 + 2e-4 * rate) * profile.decode_step_s(batch, context)
         assert calibrated.decode_step_s(batch, context, rate) == pytest.approx(truth)
-    # one factor over the same steps misses an idle step of one request by over 10%
+    # the total ratio alone (1.3 and the co-tenancy folded in) over-predicts an idle step
     scalar = profile.scaled(decode=calibrated.samples["serving_calibration"]["factors"]["decode"])
-    assert scalar.decode_step_s(1, 200) > 1.1 * calibrated.decode_step_s(1, 200)
+    assert scalar.decode_step_s(8, 1600) > 1.05 * calibrated.decode_step_s(8, 1600)
     # the steps' total is kept
     assert sum(calibrated.decode_step_s(s["B"], s["C"], b) for s, b in zip(steps, _busy(steps), strict=True)
                if s["name"] == "decode") == pytest.approx(sum(s["s"] for s in steps if s["name"] == "decode"))
@@ -500,9 +498,9 @@ def _busy(steps):
     return prefill_rate(steps)
 
 
-def test_decode_steps_of_one_batch_size_take_one_factor():
-    """A log whose decode steps all carry the same batch cannot tell the fixed part from the
-    per-request part: the whole decode model is scaled by the total's ratio, no terms."""
+def test_decode_steps_with_no_prefill_engine_beside_them_take_one_factor():
+    """A log with no prefill engine in it cannot tell co-tenancy from the steps' own speed:
+    the whole decode model is scaled by the total's ratio, no terms, no co-tenancy."""
     from cluster.planner.calibrate import calibrate
 
     profile = Profile("m", (0.02, 0.001, 1e-7), (0.03, 0.002, 1e-6), 1000, 1e9)
@@ -543,7 +541,7 @@ def test_mixed_steps_take_the_decode_steps_co_tenancy_and_a_factor_of_their_own(
 
     profile = Profile("m", (0.02, 0.001, 1e-7), (0.03, 0.002, 1e-6), 1000, 1e9,
                       colocated_coeffs=(0.03, 0.001, 1e-7, 0.002, 1e-6, 0.0, 0.01))
-    steps = _serving_decode_log(profile, fixed=0.6, per_request=0.9, cotenancy=2e-4)
+    steps = _serving_decode_log(profile, factor=1.3, cotenancy=2e-4)
     t = steps[-1]["t"] + 10.0
     for i, (tokens, batch) in enumerate(((64, 4), (128, 8), (200, 2), (32, 12), (96, 6), (150, 3)) * 2):
         model = profile.colocated_step_s(tokens, tokens * tokens, batch, batch * 200)
@@ -570,6 +568,66 @@ def test_mixed_steps_take_the_decode_steps_co_tenancy_and_a_factor_of_their_own(
             == pytest.approx(simulate(plain, quiet, 1, 1, local_prefill_max_tokens=256).ttft_s))
     assert (simulate(calibrated, beside, 1, 1, local_prefill_max_tokens=256).ttft_s[2]
             > 1.05 * simulate(plain, beside, 1, 1, local_prefill_max_tokens=256).ttft_s[2])
+
+
+def _colocated_log(profile, exponent: float, tokens: tuple[int, ...]) -> list[dict]:
+    """A colocated engine's step log whose mixed steps (prompt chunks of `tokens` beside 4
+    decodes) took 1.5 x M ** (1 - exponent) seconds, M the profile's mixed model in seconds:
+    small steps slowed more than large ones."""
+    steps = []
+    for i, chunk in enumerate(tokens):
+        model = profile.colocated_step_s(chunk, chunk * chunk, 4, 800)
+        steps.append({"name": "colocated", "pid": 1, "t": 10.0 * i, "s": 1.5 * model ** (1 - exponent),
+                      "T": chunk, "Q": chunk * chunk, "B": 4, "C": 800})
+    return steps
+
+
+def test_mixed_steps_slowed_more_when_small_fit_a_size_exponent_that_predicts_other_sizes():
+    """Serving slowed a colocated engine's mixed steps as 1.5 x M ** 0.85 (exponent 0.15):
+    calibrated on steps of 0.1-1 s, the model predicts steps of 0.03 s and of 6 s, outside
+    that range, within 1%, where one factor over the same steps misses both by over 15%."""
+    from cluster.planner.calibrate import MIN_SIZE_SPREAD, calibrate
+
+    profile = Profile("m", (0.02, 0.001, 1e-7), (0.03, 0.002, 1e-6), 1000, 1e9,
+                      colocated_coeffs=(0.03, 0.001, 1e-7, 0.002, 1e-6, 0.0, 0.01))
+    steps = _colocated_log(profile, 0.15, (64, 128, 256, 384, 512, 640, 768, 896, 1024))
+    calibrated = calibrate(profile, steps)
+    record = calibrated.samples["serving_calibration"]
+    assert record["mixed_size"]["exponent"] == pytest.approx(0.15)
+    plain = profile.scaled(mixed=record["factors"]["mixed"])  # as calibration scaled without the exponent
+    for chunk in (8, 2048):
+        model = profile.colocated_step_s(chunk, chunk * chunk, 4, 800)
+        truth = 1.5 * model ** 0.85
+        assert calibrated.colocated_step_s(chunk, chunk * chunk, 4, 800) == pytest.approx(truth, rel=0.01)
+        assert abs(plain.colocated_step_s(chunk, chunk * chunk, 4, 800) / truth - 1) > 0.15
+    # scaling the calibrated profile scales its mixed steps by the factor, exponent and all
+    assert calibrated.scaled(mixed=2.0).colocated_step_s(300, 90000, 4, 800) == pytest.approx(
+        2.0 * calibrated.colocated_step_s(300, 90000, 4, 800))
+    # decode, prefill-only and the mixed steps' total are untouched or kept
+    assert calibrated.decode_step_s(8, 1600) == profile.decode_step_s(8, 1600)
+    assert sum(calibrated.colocated_step_s(s["T"], s["Q"], s["B"], s["C"]) for s in steps) == pytest.approx(
+        sum(s["s"] for s in steps), rel=0.01)
+    # sizes spanning less than MIN_SIZE_SPREAD: no exponent, one factor
+    narrow = [s for s in steps if s["T"] >= 512]
+    sizes = [profile.colocated_step_s(s["T"], s["Q"], 4, 800) for s in narrow]
+    assert max(sizes) < MIN_SIZE_SPREAD * min(sizes)
+    assert "mixed_size" not in calibrate(profile, narrow).samples["serving_calibration"]
+    # a serving log whose small steps are not the slower ones: no exponent
+    for exponent in (0.0, -0.1):
+        log = _colocated_log(profile, exponent, (64, 256, 512, 768, 1024))
+        assert "mixed_size" not in calibrate(profile, log).samples["serving_calibration"]
+
+
+def test_a_profiles_size_exponent_is_checked_and_saved(tmp_path):
+    profile = Profile("m", (0.02, 0.001, 1e-7), (0.03, 0.002, 1e-6), 1000, 1e9, mixed_size_exponent=0.12,
+                      mixed_reference_s=0.8)
+    path = tmp_path / "p.json"
+    path.write_text(profile.to_json())
+    assert Profile.load(path) == profile
+    for bad in ({"mixed_size_exponent": 1.0}, {"mixed_size_exponent": -0.1}, {"mixed_reference_s": 0.0},
+                {"mixed_reference_s": float("inf")}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            replace(profile, **bad)
 
 
 def test_speed_change_is_the_later_logs_slowdown_over_the_earlier_ones_kind_by_kind():
