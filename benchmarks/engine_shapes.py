@@ -1,11 +1,13 @@
 """The engine alone at the step shapes serving runs, against the profile's model.
 
 `decode` (one core, one thread, against profile_1core.json): decode steps of 1-64 rows at
-per-row contexts of 64-2,048 tokens; `pdserve profile` times contexts of 64-512 only, while
-serving's rows carry 400-500 (online) and 1,000-1,400 (chat). Beside the profile's model,
-the decode model refitted on this grid (relative error) linearly and with a B^2 term: how
-far the model's shape, not its coefficients, is off (measured 2026-12-04, two runs: the
-profile's model 0.87-1.22x off here; refitted, 6.4-6.9% rms linear and 2.4-2.5% with B^2).
+per-row contexts of 64-2,048 tokens (the profiler's DECODE_SHAPES), serving's shapes: its
+rows carry 400-500 tokens (online) and 1,000-1,400 (chat). Beside the profile's model, the
+decode model refitted on this grid (relative error) linearly and with a B^2 term: how far
+the model's shape, not its coefficients, is off (measured 2026-12-04, two runs, against a
+profile that then timed contexts of 64-512 only and fitted linearly by absolute error: its
+model 0.87-1.22x off here; refitted, 6.4-6.9% rms linear and 2.4-2.5% with B^2, the shape
+`pdserve profile` has fitted since).
 
 `mixed` (both cores, two threads, against profile_2cores.json): a colocated engine's steps
 of 64-2,040 fresh prompt tokens beside 4-8 decodes, the sizes whose serving times
@@ -28,9 +30,6 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.report import write  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-DECODE_GRID = [(1, 64), (1, 512), (1, 1024), (1, 2048), (2, 512), (4, 64), (4, 512), (4, 1024), (4, 2048),
-               (8, 128), (8, 512), (8, 1024), (16, 64), (16, 256), (16, 512), (16, 1024), (32, 128), (32, 512),
-               (64, 64)]  # (rows, per-row context)
 MIXED_GRID = [(8, 2040), (8, 1536), (8, 1024), (8, 512), (4, 128), (8, 64)]  # (decodes, fresh prompt tokens)
 
 
@@ -65,7 +64,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(cores)
-    from cluster.planner.profiler import _mixed_step, time_decode_step
+    from cluster.planner.profiler import DECODE_SHAPES, _mixed_step, time_decode_step
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.model_source import resolve_model
@@ -75,7 +74,7 @@ def main() -> None:
     profile = Profile.load(profile_path)
     engine = LLMEngine(EngineConfig(model=str(resolve_model(args.model))))
     rows = []
-    for a, b in DECODE_GRID if args.kind == "decode" else MIXED_GRID:
+    for a, b in DECODE_SHAPES if args.kind == "decode" else MIXED_GRID:
         if args.kind == "decode":
             seconds = time_decode_step(engine, a, b, args.repeats)
             t = q = 0

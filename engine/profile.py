@@ -9,7 +9,11 @@ the prompt's earlier chunks):
     took 1.43-1.71x a model fitted on fresh prompts alone, benchmarks/profile_coverage.py).
     Profiles from before this term carry three coefficients: p3 = 0.
 decode step (B running requests, C their total context tokens):
-    t = d0 + d1 * B + d2 * C
+    t = d0 + d1 * B + d2 * C + d3 * B^2
+    d3: fitted with d0..d2 to minimise relative error over 1-64 rows at per-row contexts of
+    64-2,048 tokens (benchmarks/engine_shapes.py: linearly, 6.4-6.9% rms there, the long
+    rows under-predicted and 16-32 short ones over-predicted; with B^2, 2.4-2.5%). Profiles
+    from before this term carry three coefficients: d3 = 0.
 a mixed step (both at once: a colocated engine, or a decode worker prefilling locally),
     fitted on profiled mixed steps as well as pure ones:
     t = c0 + c1 * T + c2 * Q + c3 * B + c4 * C + c5 * T^2 + c6 * [T > 0 and B > 0] + c7 * K
@@ -49,7 +53,7 @@ import numpy as np
 class Profile:
     model: str
     prefill_coeffs: tuple[float, ...]  # p0 [s], p1 [s/token], p2 [s/token^2], p3 [s/token^2] (optional)
-    decode_coeffs: tuple[float, float, float]  # d0 [s], d1 [s/request], d2 [s/context token]
+    decode_coeffs: tuple[float, ...]  # d0 [s], d1 [s/request], d2 [s/context token], d3 [s/request^2] (optional)
     kv_bytes_per_token: int
     kv_bandwidth_bytes_per_s: float
     max_num_batched_tokens: int = 2048
@@ -76,8 +80,8 @@ class Profile:
     samples: dict = field(default_factory=dict, compare=False)  # raw measurements, for the record
 
     def __post_init__(self) -> None:
-        for name, sizes in (("prefill_coeffs", (3, 4)), ("decode_coeffs", (3,)), ("colocated_coeffs", (5, 7, 8)),
-                            ("decode_cotenancy_coeffs", (3,))):
+        for name, sizes in (("prefill_coeffs", (3, 4)), ("decode_coeffs", (3, 4)), ("colocated_coeffs", (5, 7, 8)),
+                            ("decode_cotenancy_coeffs", (3, 4))):
             coeffs = getattr(self, name)
             if coeffs is None and name == "colocated_coeffs":
                 continue
@@ -112,11 +116,11 @@ class Profile:
     def decode_step_s(self, batch: int, context: int, prefill_rate: float = 0.0) -> float:
         """A decode step of `batch` requests attending `context` tokens in all, while the
         prefill instances sharing its host compute `prefill_rate` prompt tokens a second."""
-        d0, d1, d2 = self.decode_coeffs
-        step = d0 + d1 * batch + d2 * context
+        d0, d1, d2, d3 = (*self.decode_coeffs, 0.0)[:4]
+        step = d0 + d1 * batch + d2 * context + d3 * batch * batch
         if prefill_rate:
-            e0, e1, e2 = self.decode_cotenancy_coeffs
-            step += prefill_rate * (e0 + e1 * batch + e2 * context)
+            e0, e1, e2, e3 = (*self.decode_cotenancy_coeffs, 0.0)[:4]
+            step += prefill_rate * (e0 + e1 * batch + e2 * context + e3 * batch * batch)
         return step
 
     def colocated_step_s(self, tokens: int, squared: float, batch: int, context: int, cached: float = 0,
@@ -138,9 +142,9 @@ class Profile:
             step = (c0 + c1 * tokens + c2 * squared + c3 * batch + c4 * context + c5 * tokens * tokens + c6 * both
                     + c7 * cached)
         else:
-            _, d1, d2 = self.decode_coeffs
             step = (max(self.prefill_coeffs[0], self.decode_coeffs[0]) - self.prefill_coeffs[0]
-                    + self.prefill_step_s(tokens, squared, cached) + d1 * batch + d2 * context)
+                    + self.prefill_step_s(tokens, squared, cached) + self.decode_step_s(batch, context)
+                    - self.decode_coeffs[0])
         if self.mixed_size_exponent and step > 0:
             step *= (step / self.mixed_reference_s) ** -self.mixed_size_exponent
         return step * (1.0 + self.mixed_cotenancy * prefill_rate)
@@ -170,7 +174,7 @@ class Profile:
         reference = self.mixed_reference_s * (mixed if mixed is not None else max(prefill, decode))
         if mixed is not None:
             p0, p1, p2, p3 = (*self.prefill_coeffs, 0.0)[:4]
-            _, d1, d2 = self.decode_coeffs
+            _, d1, d2 = self.decode_coeffs[:3]  # (the mixed-step model has no B^2 term)
             base = colocated or (max(p0, self.decode_coeffs[0]), p1, p2, d1, d2, 0.0, 0.0, p3)
             colocated = tuple(c * mixed for c in base)
         elif colocated is not None:  # prefill terms by the prefill factor, decode terms by the decode one
@@ -251,11 +255,22 @@ def fit_prefill(samples: list[tuple[int, float, float]]) -> tuple[float, float, 
     return fit_nonnegative(features, data[:, 2])
 
 
-def fit_decode(samples: list[tuple[int, int, float]]) -> tuple[float, float, float]:
-    """samples: (batch size, total context tokens, seconds)."""
+def fit_decode(samples: list[tuple[int, int, float]]) -> tuple[float, float, float, float]:
+    """d0..d3 from samples (batch size, total context tokens, seconds), each weighted by
+    1/seconds (relative error, as fit_colocated): a one-row step counts as much as one of 64.
+
+    Why relative and why B^2: fitted by absolute error on 1-64 rows at per-row contexts of at
+    most 512, the linear model was set by its largest steps, and serving's rows (400-500
+    tokens online, 1,000-1,400 in chat) ran 0.87-1.22x it (benchmarks/engine_shapes.py).
+    Re-predicted from three validations' step logs (runs I, J and K of 2026-12-04/05), this
+    shape fitted on serving's grid took the tight-TPOT cells within 10 pp in all three where
+    the old one missed online 0.7x in one (+18.3 pp), and chat's from -5.5..-6.4 pp to
+    within 1 pp."""
     data = np.asarray(samples, dtype=float)
-    features = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
-    return fit_nonnegative(features, data[:, 2])
+    batch, context, seconds = data.T
+    features = np.column_stack([np.ones(len(data)), batch, context, batch * batch])
+    weights = 1.0 / np.maximum(seconds, 1e-6)
+    return fit_nonnegative(features * weights[:, None], seconds * weights)
 
 
 def fit_colocated(prefill: list[tuple[int, float, float]], decode: list[tuple[int, int, float]],

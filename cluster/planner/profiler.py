@@ -1,7 +1,7 @@
 """`pdserve profile`: measure an engine's step times on this hardware and fit a Profile.
 
 Prefill: single steps of T prompt tokens (one chunk, and several requests' chunks).
-Decode: steady decode steps at batch B over contexts C. Mixed: a step carrying a prompt
+Decode: steady decode steps at batch B over contexts C (DECODE_SHAPES). Mixed: a step carrying a prompt
 chunk of T tokens and B running decodes at once (what a colocated engine, or a decode
 worker prefilling locally, runs; the TPOT a prompt inflicts on every running request).
 Cached: prefill and mixed steps whose new tokens follow a prefix the prefix cache holds (a
@@ -29,6 +29,13 @@ from engine.sampling_params import SamplingParams
 from engine.step_log import StepShape
 
 CACHED_PREFIXES = (512, 1536)  # cached prefix lengths the K term is profiled over
+# (rows, per-row context) of the decode steps profiled: serving's shapes, 1-64 rows at
+# 64-2,048 tokens a row (online's rows carry 400-500, chat's 1,000-1,400; until 2026-12-05
+# the grid stopped at 512 a row, and serving's long rows ran up to 1.22x its model), at most
+# 16,384 tokens in all (the prefill that reaches the batch stays short)
+DECODE_SHAPES = ((1, 64), (1, 512), (1, 1024), (1, 2048), (2, 512), (4, 64), (4, 512), (4, 1024), (4, 2048),
+                 (8, 128), (8, 512), (8, 1024), (16, 64), (16, 256), (16, 512), (16, 1024), (32, 128), (32, 512),
+                 (64, 64))
 
 
 def profile_engine(config: EngineConfig, repeats: int = 3, progress=print) -> Profile:
@@ -46,13 +53,12 @@ def profile_engine(config: EngineConfig, repeats: int = 3, progress=print) -> Pr
             prefill_samples.append((tokens // pieces * pieces, squared, seconds))
             progress(f"prefill {pieces} x {tokens // pieces} tokens: {seconds * 1000:.1f} ms")
     decode_samples = []
-    for batch in (1, 4, 16, 64):
-        for context in (64, 128, 512):
-            if batch > config.max_num_seqs or context + 16 >= max_len or batch * context > 8192:
-                continue  # (the cap keeps the prefill needed to reach the batch short)
-            seconds = time_decode_step(engine, batch, context, repeats)
-            decode_samples.append((batch, batch * context, seconds))
-            progress(f"decode batch {batch} x {context} context: {seconds * 1000:.1f} ms")
+    for batch, context in DECODE_SHAPES:
+        if batch > config.max_num_seqs or context + 16 >= max_len:
+            continue
+        seconds = time_decode_step(engine, batch, context, repeats)
+        decode_samples.append((batch, batch * context, seconds))
+        progress(f"decode batch {batch} x {context} context: {seconds * 1000:.1f} ms")
     mixed_samples = []
     for batch in (4, 16, 64):
         for tokens in (128, 512, 1536):

@@ -4,6 +4,7 @@ monotonicity, infeasible SLOs, malformed inputs, and the autoscaler's decisions.
 import json
 from dataclasses import replace
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -81,12 +82,36 @@ def test_long_prompts_stall_colocated_decoding():
     assert colocated.percentile("tpot_s", 90) > 2 * disagg.percentile("tpot_s", 90)
 
 
+def test_the_decode_fit_minimises_relative_error_so_small_steps_count_as_much_as_large_ones():
+    """The largest profiled step (64 rows) measured 10% long: fitted by relative error, the
+    one-row steps' predictions move under 0.5%; by absolute least squares, the largest step
+    sets the fit and they move about twice as far, over 0.8%."""
+    from cluster.planner.profiler import DECODE_SHAPES
+    from engine.profile import fit_nonnegative
+
+    def truth(b, c):
+        return 0.03 + 0.0005 * b + 3e-6 * c + 1e-5 * b * b
+
+    samples = [(b, b * x, truth(b, b * x) * (1.1 if b == 64 else 1.0)) for b, x in DECODE_SHAPES]
+    data = np.asarray(samples)
+    features = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1], data[:, 0] ** 2])
+    for fitted, (low, high) in ((fit_decode(samples), (0.0, 0.005)), (fit_nonnegative(features, data[:, 2]),
+                                                                     (0.008, 1.0))):
+        for c in (64, 2048):
+            error = abs(float(np.dot(fitted, (1, 1, c, 1))) / truth(1, c) - 1)
+            assert low < error < high
+
+
 def test_fits_recover_known_coefficients():
     prefill = [(t, q, 0.01 + 0.002 * t + 3e-7 * q) for t, q in [(32, 1024), (256, 65536), (1024, 2**20),
                                                                (1024, 2**18), (2048, 2**22)]]
-    decode = [(b, c, 0.02 + 0.001 * b + 1e-6 * c) for b, c in [(1, 128), (4, 2048), (16, 2048), (64, 32768)]]
+    shapes = [(1, 128), (4, 2048), (16, 2048), (64, 32768), (8, 512)]
+    decode = [(b, c, 0.02 + 0.001 * b + 1e-6 * c) for b, c in shapes]
     assert fit_prefill(prefill) == pytest.approx((0.01, 0.002, 3e-7), rel=1e-6)
-    assert fit_decode(decode) == pytest.approx((0.02, 0.001, 1e-6), rel=1e-6)
+    assert fit_decode(decode) == pytest.approx((0.02, 0.001, 1e-6, 0.0), rel=1e-6, abs=1e-12)
+    # with a B^2 term (a step's cost growing faster than its rows)
+    decode = [(b, c, 0.02 + 0.001 * b + 1e-6 * c + 2e-5 * b * b) for b, c in shapes]
+    assert fit_decode(decode) == pytest.approx((0.02, 0.001, 1e-6, 2e-5), rel=1e-6)
     # c5 (T^2: a step outgrowing the caches) and c6 (a step carrying both prompt and decode rows)
     true = (0.015, 0.0021, 2.5e-7, 0.0013, 2e-6, 4e-8, 0.02)
 
