@@ -35,19 +35,18 @@ MIXED_GRID = [(8, 2040), (8, 1536), (8, 1024), (8, 512), (4, 128), (8, 64)]  # (
 
 def refit_errors(rows: list[dict]) -> dict[str, float]:
     """RMS relative error of the decode model refitted on `rows` (B, C, measured_s): linear
-    (d0 + d1 B + d2 C) and with a B^2 term, each fitted to minimise relative error."""
+    (d0 + d1 B + d2 C) and with a B^2 term (the profile's fit, engine.profile.fit_decode),
+    each fitted to minimise relative error."""
     import numpy as np
 
-    from engine.profile import fit_nonnegative
+    from engine.profile import fit_decode, fit_nonnegative
 
     batch, context, seconds = (np.array([r[key] for r in rows], dtype=float) for key in ("B", "C", "measured_s"))
-    out = {}
-    for name, features in (("linear", [np.ones_like(batch), batch, context]),
-                           ("with_B_squared", [np.ones_like(batch), batch, batch * batch, context])):
-        x = np.column_stack(features) / seconds[:, None]
-        coeffs = fit_nonnegative(x, np.ones(len(rows)))
-        out[name] = float(np.sqrt(np.mean((x @ coeffs - 1) ** 2)))
-    return out
+    linear = np.column_stack([np.ones_like(batch), batch, context]) / seconds[:, None]
+    squared = np.column_stack([np.ones_like(batch), batch, context, batch * batch]) / seconds[:, None]
+    fits = {"linear": (linear, fit_nonnegative(linear, np.ones(len(rows)))),
+            "with_B_squared": (squared, fit_decode(list(zip(batch, context, seconds, strict=True))))}
+    return {name: float(np.sqrt(np.mean((x @ np.asarray(coeffs) - 1) ** 2))) for name, (x, coeffs) in fits.items()}
 
 
 def main() -> None:
