@@ -136,12 +136,10 @@ def start_service(model: str, port: int):
 
     from cluster.config import load_config
     from cluster.controller import create_controller
-    from cluster.ray_cluster import ray_env
+    from cluster.ray_cluster import init_private_cluster
 
-    ray_env()
     if not ray.is_initialized():
-        ray.init(num_cpus=4, namespace="pdserve", include_dashboard=False, object_store_memory=300_000_000,
-                 logging_level="WARNING", log_to_driver=False)
+        init_private_cluster(4)
     config = load_config(None, {"model": model, "router.port": port})
     controller = create_controller(config)
     url = ray.get(controller.start.remote())

@@ -149,11 +149,9 @@ def local_ray(num_cpus: int):
     """A Ray instance in this process for the benchmark's services."""
     import ray
 
-    from cluster.ray_cluster import ray_env
+    from cluster.ray_cluster import init_private_cluster
 
-    ray_env()
-    ray.init(num_cpus=num_cpus, namespace="pdserve", include_dashboard=False, object_store_memory=300_000_000,
-             logging_level="WARNING", log_to_driver=False)
+    init_private_cluster(num_cpus)
     try:
         yield
     finally:

@@ -58,7 +58,7 @@ def main() -> None:
     from cluster.planner.calibrate import calibrate, total_ratios
     from cluster.planner.search import SLO, lengths_of, phase_curve
     from cluster.planner.workload import load_trace, rescale
-    from cluster.ray_cluster import ray_env
+    from cluster.ray_cluster import init_private_cluster
     from engine.profile import Profile
     from engine.step_log import ENV, read_step_logs
 
@@ -74,12 +74,10 @@ def main() -> None:
     warmup = to_replay([replace(r, output_len=min(r.output_len, 32)) for r in trace[160:172]], seed=1)
     step_dir = Path(tempfile.mkdtemp(prefix="pdserve-niceness-"))
     os.environ[ENV] = str(step_dir)
-    ray_env()
     runs = []
     for nice in args.niceness.split(","):
         os.environ["RAY_worker_niceness"] = nice  # read by the raylet this ray.init starts
-        ray.init(num_cpus=4, namespace="pdserve", include_dashboard=False, object_store_memory=300_000_000,
-                 logging_level="WARNING", log_to_driver=False)
+        init_private_cluster(4)
         try:
             for layout in args.layouts.split(","):
                 measured, _, start, end = serve_and_drive(args.model, LAYOUTS[layout],

@@ -2,20 +2,31 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import signal
+import subprocess
 import sys
 import threading
 import time
 
 ADDRESS_HELP = "Ray cluster address (default: the local one `pdserve up` started)"
+RAY_SECURITY_EPILOG = """\
+Ray is closed by default: a local head listens on 127.0.0.1 only and Ray's token auth is on
+(the token is Ray's default file, ~/.ray/auth_token, created on first start). Every pdserve
+command uses it. Ray's own CLI needs the same settings: `pdserve ray status` (or
+`RAY_AUTH_MODE=token RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 ray status --address 127.0.0.1:6379`).
+RAY_AUTH_MODE=disabled turns token auth off (pdserve warns)."""
 
 
 def add_commands(sub) -> None:
     up = sub.add_parser("up", help="start the router and the prefill and decode pools on Ray",
                         description="Start pdserve: a Ray head here (unless --address), the cluster "
                                     "controller, the pools and the router. Runs in the foreground "
-                                    "(Ctrl-C stops everything) unless --detach.")
+                                    "(Ctrl-C stops everything; it also exits when `pdserve down` or the loss "
+                                    "of its Ray cluster ends the service) unless --detach.",
+                        epilog=RAY_SECURITY_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     up.add_argument("--config", default=None,
                     help="deployment YAML (default: one machine, as documented in deploy/local.yaml)")
     up.add_argument("--address", default=None, help="Ray cluster to join (default: local, started if needed)")
@@ -47,9 +58,18 @@ def add_commands(sub) -> None:
     scale.add_argument("--no-wait", action="store_true", help="return before workers are ready/drained")
     scale.set_defaults(func=_scale)
 
-    down = sub.add_parser("down", help="stop the service (and the local Ray that `up` started)")
+    down = sub.add_parser("down", help="stop the service (and the local Ray that `up` started)",
+                          description="Stop pdserve. Without --address, also stop the local Ray that "
+                                      "`pdserve up` started (that one only: never another Ray on this machine).")
     down.add_argument("--address", default=None, help=ADDRESS_HELP)
     down.set_defaults(func=_down)
+
+    ray_cli = sub.add_parser("ray", help="run Ray's own CLI against the local pdserve cluster (e.g. `status`)",
+                             description="Run `ray ARGS...` with the address, token auth and loopback settings "
+                                         "of the local Ray that `pdserve up` started.",
+                             epilog=RAY_SECURITY_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ray_cli.add_argument("ray_args", nargs=argparse.REMAINDER, metavar="ARGS", help="e.g. status, list actors")
+    ray_cli.set_defaults(func=_ray)
 
 
 def _overrides(args) -> dict:
@@ -74,18 +94,17 @@ def _overrides(args) -> dict:
 
 
 def _up(args) -> int:
-    import ray
-
     from cluster.config import load_config
-    from cluster.controller import controller_handle, create_controller
-    from cluster.ray_cluster import connect
+    from cluster.ray_cluster import auth_enabled, connect
 
     config = load_config(args.config, _overrides(args))
     needed = sum(config.pool(r).num_cpus * config.pool(r).replicas for r in ("prefill", "decode"))
-    import os
+    local_ray = connect(args.address, start_if_missing=True,
+                        num_cpus=max(os.cpu_count() or 1, int(needed * 2 + 0.999)))
+    import ray
 
-    started_ray = connect(args.address, start_if_missing=True,
-                          num_cpus=max(os.cpu_count() or 1, int(needed * 2 + 0.999)))
+    from cluster.controller import controller_handle, create_controller
+
     try:
         controller_handle()
         raise ValueError("pdserve is already up on this Ray cluster; `pdserve status`, or `pdserve down` first")
@@ -100,11 +119,15 @@ def _up(args) -> int:
         url = ray.get(controller.start.remote())
     except Exception as exc:  # noqa: BLE001 - report, then clean up what started
         print(f"pdserve: start-up failed: {_root_cause(exc)}", file=sys.stderr)
-        _teardown(controller, started_ray)
+        _teardown(controller, local_ray)
         return 1
     dtypes = _dtypes(ray.get(controller.status.remote()))
     print(f"pdserve is serving {config.name} at {url}/v1 (ready in {time.monotonic() - started:.1f}s; "
           f"{dtypes})", flush=True)
+    if local_ray is not None:
+        print(f"Ray: a local head on {local_ray.address}, token auth "
+              f"{'on' if auth_enabled() else 'OFF'}; `pdserve ray status` runs Ray's CLI against it",
+              file=sys.stderr, flush=True)
     if "every worker" not in dtypes:
         print("warning: the pools run different dtypes, so their KV cannot be shipped between them and "
               "every request is prefilled on its decode worker; set the same engine.dtype in both pools",
@@ -115,26 +138,70 @@ def _up(args) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(1.0):
-        pass
+    gone = _wait_until_stopped_or_gone(stop, local_ray)
+    if gone:
+        print(f"pdserve: {gone}; exiting", file=sys.stderr, flush=True)
+        if local_ray is not None and local_ray.running():
+            local_ray.stop()
+        return 0
     print("stopping ...", file=sys.stderr, flush=True)
-    _teardown(controller, started_ray)
+    _teardown(controller, local_ray)
     return 0
 
 
-def _teardown(controller, stop_ray: bool) -> None:
-    import ray
+def _wait_until_stopped_or_gone(stop: threading.Event, local_ray, check_every_s: float = 2.0) -> str:
+    """Wait for Ctrl-C/SIGTERM (returns "") or for the service to go without us: taken down
+    by `pdserve down` from another shell, or its Ray cluster gone (returns why)."""
+    unanswered = 0
+    while not stop.wait(check_every_s):
+        if local_ray is not None and not local_ray.running():
+            return f"its Ray cluster ({local_ray.address}) stopped"
+        answer = _ask_controller(timeout_s=15)
+        if answer == "gone":
+            return "the service was taken down (its controller is gone)"
+        unanswered = unanswered + 1 if answer == "no answer" else 0
+        if unanswered >= 3:
+            return "its Ray cluster does not answer"
+    return ""
 
-    from cluster.ray_cluster import stop_local_ray_if_ours
+
+def _ask_controller(timeout_s: float) -> str:
+    """"up", "gone" or "no answer": whether the controller is registered. Ray calls block
+    while the GCS is unreachable, so the question runs on a daemon thread with a deadline."""
+    from cluster.controller import controller_handle
+
+    answer = ["no answer"]
+
+    def ask():
+        try:
+            controller_handle()
+            answer[0] = "up"
+        except ValueError:
+            answer[0] = "gone"
+        except Exception:  # noqa: BLE001 - the cluster itself is failing
+            answer[0] = "no answer"
+
+    asker = threading.Thread(target=ask, daemon=True)
+    asker.start()
+    asker.join(timeout_s)
+    return answer[0]
+
+
+def _teardown(controller, local_ray) -> None:
+    """Stop the service, then the local Ray this process started (if it did), nothing else."""
+    import ray
 
     try:
         ray.get(controller.shutdown.remote(), timeout=60)
     except Exception:  # noqa: BLE001 - best effort, the actor is killed next
         pass
-    ray.kill(controller)
+    try:
+        ray.kill(controller)
+    except Exception:  # noqa: BLE001 - already gone
+        pass
     ray.shutdown()
-    if stop_ray:
-        stop_local_ray_if_ours()
+    if local_ray is not None:
+        local_ray.stop()
 
 
 def _root_cause(exc: BaseException) -> str:
@@ -143,10 +210,11 @@ def _root_cause(exc: BaseException) -> str:
 
 
 def _controller(address):
-    from cluster.controller import controller_handle
     from cluster.ray_cluster import connect
 
     connect(address)
+    from cluster.controller import controller_handle
+
     try:
         return controller_handle()
     except ValueError:
@@ -164,11 +232,11 @@ def _dtypes(status: dict) -> str:
 
 
 def _status(args) -> int:
-    import ray
-
     if args.watch and args.interval <= 0:
         raise ValueError(f"--interval must be > 0, got {args.interval}")
     controller = _controller(args.address)
+    import ray
+
     if args.watch:
         return watch_status(lambda: ray.get(controller.status.remote(), timeout=30), args.interval, args.json)
     status = ray.get(controller.status.remote())
@@ -245,14 +313,14 @@ def print_status(status: dict) -> None:
 
 
 def _scale(args) -> int:
-    import ray
-
     if args.plan:
         from cluster.cli_planner import replicas_from_plan
 
         sizes = replicas_from_plan(args.plan)
         args.prefill, args.decode = sizes["prefill.replicas"], sizes["decode.replicas"]
     controller = _controller(args.address)
+    import ray
+
     if args.auto:
         ray.get(controller.clear_override.remote())
         print("both pools are back under the autoscaler")
@@ -266,21 +334,28 @@ def _scale(args) -> int:
 
 
 def _down(args) -> int:
-    import ray
-
-    from cluster.ray_cluster import stop_local_ray_if_ours
+    from cluster.ray_cluster import stop_recorded_local_ray
 
     try:
         controller = _controller(args.address)
     except ValueError:
-        stopped = stop_local_ray_if_ours()
-        print("pdserve was not running" + ("; stopped the local Ray" if stopped else ""))
+        stopped = False if args.address else stop_recorded_local_ray()
+        print("pdserve was not running" + ("; stopped the local Ray it had started" if stopped else ""))
         return 0
+    import ray
+
     try:
         ray.get(controller.shutdown.remote(), timeout=60)
     finally:
         ray.kill(controller)
         ray.shutdown()
-    stopped = stop_local_ray_if_ours()
-    print("pdserve stopped" + ("; stopped the local Ray" if stopped else ""))
+    stopped = False if args.address else stop_recorded_local_ray()
+    print("pdserve stopped" + ("; stopped the local Ray that `pdserve up` started" if stopped else ""))
     return 0
+
+
+def _ray(args) -> int:
+    """Ray's own CLI against the local pdserve cluster (address, token auth, loopback node)."""
+    from cluster.ray_cluster import ray_cli_env, ray_executable
+
+    return subprocess.run([ray_executable(), *args.ray_args], env=ray_cli_env()).returncode

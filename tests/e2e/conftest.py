@@ -1,16 +1,12 @@
 """A real Ray cluster (started in this test process), the cluster controller, real worker
 actors and the router, reached over HTTP."""
 
-import os
 import time
 import urllib.request
 
 import pytest
 
 from testkit.workers import free_port
-
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
 def wait_http(url: str, timeout_s: float = 120) -> None:
@@ -30,8 +26,9 @@ def wait_http(url: str, timeout_s: float = 120) -> None:
 def ray_cluster():
     import ray
 
-    ray.init(num_cpus=16, namespace="pdserve", include_dashboard=False, object_store_memory=300_000_000,
-             logging_level="WARNING", log_to_driver=False)
+    from cluster.ray_cluster import init_private_cluster
+
+    init_private_cluster(num_cpus=16)  # loopback, token auth: as `pdserve up` runs it
     yield ray
     ray.shutdown()
 
