@@ -34,7 +34,7 @@ from engine.stats import percentile  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 SETTINGS = {"prefill.replicas": 2, "decode.replicas": 2, "prefill.num_cpus": 0.5, "decode.num_cpus": 0.5,
-            "env": {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}}
+            "env": {"OMP_NUM_THREADS": "1"}}
 
 
 def sampling(index: int) -> dict:

@@ -242,7 +242,7 @@ def grpc_gbps(repeats: int) -> float:
 
 
 # ---------------------------------------------------------------- TTFT
-PINNED_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+PINNED_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def offline_prefill_s(model: str, prompt: list[int], repeats: int) -> list[float]:
@@ -311,7 +311,6 @@ def main() -> None:
     parser.add_argument("--ttft-repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS / "kv_transfer.json")
     args = parser.parse_args()
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
     from engine.model_source import resolve_model
 

@@ -115,7 +115,7 @@ REFERENCE_PROFILE = RESULTS / "reference_profile_1core.json"
 
 
 def run_profile(out: Path, cores: str, threads: int, model: str, repeats: int) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "GLOO_SOCKET_IFNAME": "lo"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     subprocess.run(["taskset", "-c", cores, sys.executable, "-m", "cluster.cli", "profile", "--model", model,
                     "--out", str(out), "--repeats", str(repeats)], check=True, env=env, cwd=ROOT)
 

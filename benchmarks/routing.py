@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.prefix_reuse import WORKLOADS, local_ray, replay, scrape, service, summarize, workload_rows  # noqa: E402
 from benchmarks.report import panels, repo_relative, write  # noqa: E402
 
-COMMON = {"env": {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}}
+COMMON = {"env": {"OMP_NUM_THREADS": "1"}}
 SPLIT = {"prefill.replicas": 2, "decode.replicas": 2, "prefill.num_cpus": 0.5, "decode.num_cpus": 0.5}
 CONFIGS = {
     "colocated": {"prefill.replicas": 0, "decode.replicas": 2, "decode.num_cpus": 1.0,

@@ -29,10 +29,11 @@ def _pin_threads(cpu_affinity: list[int] | None) -> int:
     return threads
 
 
-def _node_ip() -> str:
+def _node() -> tuple[str, str]:
+    """(IP, node id) of the Ray node this actor runs on."""
     import ray
 
-    return ray.util.get_node_ip_address()
+    return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
 
 
 class WorkerActor:
@@ -46,6 +47,7 @@ class WorkerActor:
         self.service = self.server = None
         self.address = ""
         self._probe = None  # (channel, stub) to this worker's own gRPC server, for `ping`
+        self._info: dict = {}  # what start() returned: a restarted controller adopts us from it
 
     async def start(self, engine_kwargs: dict, worker_kwargs: dict, cpu_affinity: list[int] | None = None) -> dict:
         from engine.config import EngineConfig
@@ -55,15 +57,24 @@ class WorkerActor:
         from worker_base.server import start_service
 
         num_threads = _pin_threads(cpu_affinity)
-        config = WorkerConfig(**{"host": _node_ip(), **worker_kwargs})
+        node_ip, node_id = _node()
+        config = WorkerConfig(**{"host": node_ip, **worker_kwargs})
         engine = await asyncio.to_thread(LLMEngine, EngineConfig.from_kwargs(**engine_kwargs))
         if self.role == "prefill":
             from prefill_worker.service import PrefillService as make_service
         else:
             from decode_worker.service import DecodeService as make_service
         self.service, self.server, self.address = await start_service(engine, config, make_service)
-        return {"address": self.address, "worker_id": config.worker_id, "pid": os.getpid(),
-                "dtype": dtype_name(engine.loaded.model.dtype), "num_threads": num_threads}
+        self._info = {"role": self.role, "address": self.address, "worker_id": config.worker_id, "pid": os.getpid(),
+                      "dtype": dtype_name(engine.loaded.model.dtype), "num_threads": num_threads,
+                      "node_ip": node_ip, "node_id": node_id}
+        return dict(self._info)
+
+    async def info(self) -> dict:
+        """What start() returned, and the state now (starting, ready or draining): how a
+        restarted controller re-adopts this worker."""
+        state = "starting" if self.service is None else ("draining" if self.service.draining else "ready")
+        return {**self._info, "role": self.role, "state": state}
 
     async def ping(self) -> bool:
         """Healthy iff the worker's gRPC server answers its own Stats (token checked, engine
@@ -108,6 +119,8 @@ class RouterActor:
         setup_logging("router")
         self.server = None
         self.task = self.watch = None
+        self.url = ""
+        self._memo: dict = {}  # the controller's decisions (targets, pins), kept here to outlive it
 
     async def start(self, router_kwargs: dict, controller_name: str, namespace: str) -> str:
         import ray
@@ -118,7 +131,8 @@ class RouterActor:
         controller = ray.get_actor(controller_name, namespace=namespace)
 
         async def members() -> list[dict]:
-            return await controller.members.remote()
+            # bounded: while the controller restarts, the registry keeps its last membership
+            return await asyncio.wait_for(controller.members.remote(), 10)
 
         config = RouterConfig(**router_kwargs)
         self.server = make_server(config, members, controller)
@@ -130,25 +144,38 @@ class RouterActor:
                 self.task.result()  # raises why uvicorn could not start (port in use, ...)
                 raise RuntimeError("router exited during start-up")
             await asyncio.sleep(0.05)
-        return f"http://{config.host}:{config.port}"
+        self.url = f"http://{config.host}:{config.port}"
+        return self.url
 
     async def ping(self) -> bool:
         return self.task is not None and not self.task.done()
+
+    async def get_url(self) -> str:
+        return self.url
+
+    async def remember(self, memo: dict) -> None:
+        """Keep the controller's decisions, so that a restarted controller resumes them."""
+        self._memo = dict(memo)
+
+    async def recall(self) -> dict:
+        return dict(self._memo)
 
     async def routing_summary(self) -> dict:
         return self.server.router.routing_summary()
 
     async def _watch_autoscaler(self, controller) -> None:
-        """Mirror the controller's autoscaler state into the router's /metrics."""
+        """Mirror the controller's pools (target, pending) and autoscaler into /metrics."""
+        metrics = self.server.config.app.state.router.metrics
         while True:
             await asyncio.sleep(2.0)
             try:
-                summary = await controller.autoscaler_summary.remote()
+                pools = await asyncio.wait_for(controller.pools_summary.remote(), 10)
+                summary = await asyncio.wait_for(controller.autoscaler_summary.remote(), 10)
             except Exception:  # noqa: BLE001 - the controller may be restarting
                 continue
-            if summary is None:
-                return
-            self.server.config.app.state.router.metrics.set_autoscaler(summary)
+            metrics.set_pools(pools)
+            if summary is not None:
+                metrics.set_autoscaler(summary)
 
     async def observations(self, window_s: float, percentile: float = 90.0) -> dict:
         return self.server.config.app.state.router.observations(window_s, percentile)

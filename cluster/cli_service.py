@@ -191,12 +191,15 @@ def _teardown(controller, local_ray) -> None:
     """Stop the service, then the local Ray this process started (if it did), nothing else."""
     import ray
 
+    from cluster.controller import kill_service_actors
+
     try:
         ray.get(controller.shutdown.remote(), timeout=60)
     except Exception:  # noqa: BLE001 - best effort, the actor is killed next
         pass
     try:
-        ray.kill(controller)
+        ray.kill(controller, no_restart=True)
+        kill_service_actors()
     except Exception:  # noqa: BLE001 - already gone
         pass
     ray.shutdown()
@@ -283,7 +286,9 @@ def print_status(status: dict) -> None:
         print(f"routing: {routing['policy']}   cached prompt tokens: the router expected {expected}, "
               f"the workers found {actual}")
     for role, pool in status["pools"].items():
-        print(f"{role} pool: target {pool['target']}, {len(pool['workers'])} worker(s)")
+        pending = pool.get("pending", 0)
+        short = f", {pending} pending: no node with room" if pending else ""
+        print(f"{role} pool: target {pool['target']}, {len(pool['workers'])} worker(s){short}")
         for w in pool["workers"]:
             s = w.get("stats") or {}
             total = s.get("num_total_blocks") or 0
@@ -292,7 +297,8 @@ def print_status(status: dict) -> None:
             hit = f"{100 * s.get('prefix_cache_hit_tokens', 0) / looked_up:.1f}%" if looked_up else "-"
             held = index.get(w["worker_id"], {})
             indexed = f"{held['held']}+{held['expected']}" if held else "-"
-            print(f"  {w['worker_id'] or '(starting)':14} {w['address'] or '-':22} {w['state']:9} "
+            print(f"  {w['worker_id'] or '(' + w['state'] + ')':14} {w['address'] or '-':22} "
+                  f"node {w.get('node') or '-':15} {w['state']:9} "
                   f"{w.get('dtype') or '-':8}  threads {w.get('num_threads') or '-'!s:>2}  "
                   f"running {s.get('num_running', '-')!s:>4}  waiting {s.get('num_waiting', '-')!s:>4}  "
                   f"queued prefill tokens {s.get('queued_prefill_tokens', '-')!s:>6}  KV used {kv}  "
@@ -344,10 +350,13 @@ def _down(args) -> int:
         return 0
     import ray
 
+    from cluster.controller import kill_service_actors
+
     try:
         ray.get(controller.shutdown.remote(), timeout=60)
     finally:
-        ray.kill(controller)
+        ray.kill(controller, no_restart=True)  # Ray would restart it otherwise
+        kill_service_actors()
         ray.shutdown()
     stopped = False if args.address else stop_recorded_local_ray()
     print("pdserve stopped" + ("; stopped the local Ray that `pdserve up` started" if stopped else ""))

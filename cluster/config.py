@@ -28,6 +28,9 @@ class PoolSpec(BaseModel):
     num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per worker")
     resources: dict[str, float] = Field(default_factory=dict,
                                         description="custom Ray resources, e.g. {prefill: 1} to pin to labelled nodes")
+    placement: Literal["spread", "pack"] = Field(
+        "spread", description="spread: workers over the nodes that can host them, so one node's loss never "
+                              "takes the whole pool; pack: fill a node first (Ray's default placement)")
     engine: dict = Field(default_factory=dict, description="engine options (block_size, max_num_batched_tokens, ...)")
     cpu_affinity: list[int] | None = Field(None, description="pin this pool's workers to these CPU cores")
 
@@ -124,8 +127,9 @@ class ServeConfig(BaseModel):
                                       description="shared secret of internal RPCs (or env PDSERVE_CLUSTER_TOKEN); "
                                                   "`pdserve up` generates one when neither is set")
     tls: TLSSpec | None = Field(None, description="TLS for internal gRPC (router <-> workers, decode <-> prefill)")
-    env: dict[str, str] = Field(default_factory=lambda: {"GLOO_SOCKET_IFNAME": "lo"},
-                                description="environment of worker processes (default: KV pairs over loopback)")
+    env: dict[str, str] = Field(default_factory=dict,
+                                description="environment of worker processes (KV pairs bind each worker's own "
+                                            "address: no GLOO_SOCKET_IFNAME needed)")
     router: RouterSpec = Field(default_factory=RouterSpec)
     prefill: PoolSpec = Field(default_factory=PoolSpec)
     decode: PoolSpec = Field(default_factory=PoolSpec)

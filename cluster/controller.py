@@ -3,14 +3,22 @@ worker pools.
 
 Each pool has a target size; the controller reconciles toward it. A worker's life:
 
-    starting ──start() returned its address──► ready ──scale down──► draining ──idle──► stopped
-        │                                        │
-        └──── failed to start ────► dead ◄── failed a health check (its actor died/hung)
+    pending ──a node had room──► starting ──start() returned its address──► ready ──scale down──► draining
+    (no node with room)              │                                        │                  │ idle
+                                     └──── failed to start ────► dead ◄── failed a health check  ▼
+                                                                      (its actor died/hung, its node lost)  stopped
 
 Dead workers leave the pool at once (the router stops routing to them at its next
-membership refresh) and are replaced to keep the pool at its target. Draining workers
-refuse new requests themselves (so nothing races the router's view), finish what they
-hold, and are stopped once their stats show nothing open.
+membership refresh) and are replaced to keep the pool at its target. A replacement that no
+node has room for stays `pending` (shown in status, events and `pdserve_pool_pending_workers`)
+and starts by itself when a node with room joins. Draining workers refuse new requests
+themselves (so nothing races the router's view), finish what they hold, and are stopped
+once their stats show nothing open.
+
+Workers and the router are detached, named actors: they do not share the controller's
+fate. When the controller dies, Ray restarts it; the new one re-adopts the running workers
+(each reports what it is) and the router (which keeps the controller's targets and pins),
+and scaling and autoscaling resume (`_recover`).
 """
 
 from __future__ import annotations
@@ -18,42 +26,29 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections import deque
-from dataclasses import dataclass, field
 
 import ray
 
 from cluster.actors import RouterActor, WorkerActor
 from cluster.config import ServeConfig
+from cluster.recovery import NAMESPACE, ROLES, ROUTER_NAME, WORKER_PREFIX, Recovery, WorkerRecord
 from engine.logs import setup_logging
 from router.auth import api_keys_from
 from router.policies import CacheAwareWeights
 
 logger = logging.getLogger(__name__)
-NAMESPACE = "pdserve"
 CONTROLLER_NAME = "pdserve-controller"
-ROLES = ("prefill", "decode")
+
 _MAX_START_FAILURES = 3
+# The controller and the router live on the head node (with the GCS): a worker node's loss
+# must never take them, and Ray can pin an actor there by the head's own resource.
+ON_HEAD = {"node:__internal_head__": 0.001}
+_PLACED_WITHIN_S = 5.0  # an actor not created by then waits for a node with room: `pending`
 
 
-@dataclass
-class WorkerRecord:
-    role: str
-    handle: object
-    key: int
-    worker_id: str = ""
-    address: str = ""
-    state: str = "starting"
-    pid: int = 0  # the worker's process (on its node), once started
-    dtype: str = ""  # weights and KV, as the worker resolved `auto`
-    num_threads: int = 0  # torch threads the worker runs its engine on
-    started_at: float = field(default_factory=time.time)
-
-    def member(self) -> dict:
-        return {"role": self.role, "worker_id": self.worker_id, "address": self.address, "state": self.state}
-
-
-class Controller:
+class Controller(Recovery):
     def __init__(self, config: dict) -> None:
         setup_logging("controller")
         self.config = ServeConfig.model_validate(config)
@@ -69,19 +64,25 @@ class Controller:
         self.decisions: deque[dict] = deque(maxlen=50)
         self.autoscaler = self._make_autoscaler()
         self._autoscale_task: asyncio.Task | None = None
+        # Ray restarted this actor after it died: re-adopt what runs, at the first call
+        self._restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        self._adoption: asyncio.Task | None = None
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> str:
         """Start the pools and the router; returns the router's URL once workers are ready."""
         self._reconcile()
-        await self._wait_ready()
+        await self._wait_ready(include_pending=True)
         await self._start_router()
+        self._start_loops()
+        self._event("router", "ready", self.router_url)
+        return self.router_url
+
+    def _start_loops(self) -> None:
         loop = asyncio.get_running_loop()
         self._health_task = loop.create_task(self._health_loop())
         if self.autoscaler is not None:
             self._autoscale_task = loop.create_task(self._autoscale_loop())
-        self._event("router", "ready", self.router_url)
-        return self.router_url
 
     async def _start_router(self) -> None:
         cfg = self.config
@@ -99,11 +100,13 @@ class Controller:
                              https_cert_file=cfg.router.https_cert_file, https_key_file=cfg.router.https_key_file,
                              ttft_slo_s=cfg.autoscaler.ttft_slo_s, tpot_slo_s=cfg.autoscaler.tpot_slo_s)
         self.router = ray.remote(RouterActor).options(
-            name="pdserve-router", namespace=NAMESPACE, num_cpus=0, lifetime="detached",
+            name=ROUTER_NAME, namespace=NAMESPACE, num_cpus=0, lifetime="detached", resources=ON_HEAD,
             runtime_env={"env_vars": dict(cfg.env)}).remote()
         self.router_url = await self.router.start.remote(router_kwargs, CONTROLLER_NAME, NAMESPACE)
+        self._remember()
 
     async def shutdown(self) -> None:
+        await self._recover()
         for task in (self._health_task, self._autoscale_task):
             if task is not None:
                 task.cancel()
@@ -118,9 +121,20 @@ class Controller:
 
     # ------------------------------------------------------------ queries
     async def members(self) -> list[dict]:
+        await self._recover()
         return [w.member() for w in self.workers.values() if w.state in ("ready", "draining")]
 
+    async def pools_summary(self) -> dict:
+        """Per pool: target, ready workers and workers pending for a node with room (metrics)."""
+        await self._recover()
+        return {role: {"target": self.targets[role],
+                       "ready": sum(1 for w in self.workers.values() if w.role == role and w.state == "ready"),
+                       "pending": sum(1 for w in self.workers.values() if w.role == role and w.state == "pending")}
+                for role in ROLES}
+
     async def status(self) -> dict:
+        await self._recover()
+
         async def stats(w: WorkerRecord):
             if w.state not in ("ready", "draining"):
                 return None
@@ -131,7 +145,9 @@ class Controller:
 
         records = list(self.workers.values())
         all_stats = await asyncio.gather(*(stats(w) for w in records))
-        pools = {role: {"target": self.targets[role], "workers": []} for role in ROLES}
+        short = await self.pools_summary()
+        pools = {role: {"target": self.targets[role], "workers": [], "pending": short[role]["pending"]}
+                 for role in ROLES}
         for w, s in zip(records, all_stats, strict=True):
             pools[w.role]["workers"].append({**w.member(), "pid": w.pid, "dtype": w.dtype,
                                              "num_threads": w.num_threads, "stats": s})
@@ -148,6 +164,7 @@ class Controller:
 
     async def autoscaler_summary(self) -> dict | None:
         """The latest decision (for the router's metrics), or None when autoscaling is off."""
+        await self._recover()
         if self.autoscaler is None:
             return None
         last = self.decisions[-1] if self.decisions else None
@@ -157,6 +174,7 @@ class Controller:
 
     async def handle_of(self, worker_id: str):
         """The actor handle of a worker (operators and tests: e.g. to kill one)."""
+        await self._recover()
         for w in self.workers.values():
             if w.worker_id == worker_id:
                 return w.handle
@@ -167,6 +185,7 @@ class Controller:
                     manual: bool = True) -> dict:
         """Set pool sizes; with `wait`, return once new workers serve and drained ones stopped.
         A manual scale (operators) pins the pool against the autoscaler until `clear_override`."""
+        await self._recover()
         for role, n in (("prefill", prefill), ("decode", decode)):
             if n is None:
                 continue
@@ -177,6 +196,7 @@ class Controller:
             if manual:
                 self.manual.add(role)
             self._event(role, "scale" if manual else "autoscale", f"target {n}")
+        self._remember()
         self._reconcile()
         if wait:
             await asyncio.sleep(0)  # let the drain tasks just created mark their workers draining
@@ -189,6 +209,7 @@ class Controller:
         """Drain one ready worker (an operator's: a slow or suspect one) and start its
         replacement, so the pool keeps its target (scale down to shrink a pool). Returns
         the worker as `members()` shows it, or None when no ready worker has this id."""
+        await self._recover()
         w = next((w for w in self.workers.values() if w.worker_id == worker_id and w.state == "ready"), None)
         if w is None:
             return None
@@ -199,7 +220,9 @@ class Controller:
 
     async def clear_override(self) -> None:
         """Hand every pool back to the autoscaler."""
+        await self._recover()
         self.manual.clear()
+        self._remember()
         self._event("cluster", "override_cleared")
 
     # ------------------------------------------------------------ autoscaling
@@ -239,7 +262,7 @@ class Controller:
 
     def _reconcile(self) -> None:
         for role in ROLES:
-            live = [w for w in self.workers.values() if w.role == role and w.state in ("starting", "ready")]
+            live = [w for w in self.workers.values() if w.role == role and w.state in ("pending", "starting", "ready")]
             missing = self.targets[role] - len(live)
             if missing > 0 and self.start_failures[role] >= _MAX_START_FAILURES:
                 continue  # do not hot-loop on a config that cannot start; status shows the events
@@ -250,11 +273,14 @@ class Controller:
 
     def _launch(self, role: str) -> None:
         cfg, spec = self.config, self.config.pool(role)
+        name = f"{WORKER_PREFIX}{role}-{uuid.uuid4().hex[:12]}"
         handle = ray.remote(WorkerActor).options(
+            name=name, namespace=NAMESPACE, lifetime="detached",  # outlives the controller: re-adopted
             num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, resources=dict(spec.resources),
+            scheduling_strategy="SPREAD" if spec.placement == "spread" else "DEFAULT",
             runtime_env={"env_vars": dict(cfg.env)}, max_restarts=0,
         ).remote(role)
-        record = WorkerRecord(role, handle, next(self._keys))
+        record = WorkerRecord(role, handle, next(self._keys), name=name)
         self.workers[record.key] = record
         worker_kwargs = {"kv_transfer_timeout_s": cfg.kv_transfer_timeout_s,
                          "otlp_traces_endpoint": cfg.tracing.otlp_endpoint,
@@ -267,6 +293,8 @@ class Controller:
             self._start(record, cfg.engine_kwargs(role), worker_kwargs, spec.cpu_affinity))
 
     async def _start(self, w: WorkerRecord, engine_kwargs: dict, worker_kwargs: dict, cpu_affinity) -> None:
+        if not await self._placed(w):
+            return
         try:
             info = await w.handle.start.remote(engine_kwargs, worker_kwargs, cpu_affinity)
         except Exception as exc:  # noqa: BLE001 - reported and retried by reconcile
@@ -277,13 +305,38 @@ class Controller:
             return
         if w.state != "starting":  # drained or stopped while starting
             return
-        w.worker_id, w.address, w.state, w.pid = info["worker_id"], info["address"], "ready", info["pid"]
-        w.dtype, w.num_threads = info["dtype"], info["num_threads"]
+        w.learn(info)
+        w.state = "ready"
         self.start_failures[w.role] = 0
-        self._event(w.role, "ready", w.address, w)
+        self._event(w.role, "ready", f"{w.address} on node {w.node_ip}", w)
+
+    async def _placed(self, w: WorkerRecord) -> bool:
+        """Wait until Ray has created the worker's actor on some node. While no node has
+        room, the record is `pending` (a node that joins later with room ends the wait).
+        Returns False when the record was given up meanwhile (scaled down, stopped)."""
+        created = asyncio.ensure_future(w.handle.__ray_ready__.remote())
+        try:
+            await asyncio.wait_for(asyncio.shield(created), _PLACED_WITHIN_S)
+        except TimeoutError:
+            spec = self.config.pool(w.role)
+            w.state = "pending"
+            self._event(w.role, "pending", f"no node with room (needs {spec.num_cpus:g} CPU, "
+                                           f"{spec.num_gpus:g} GPU, {dict(spec.resources)})", w)
+            while not created.done():
+                if w.state != "pending":  # given up while waiting
+                    created.cancel()
+                    return False
+                await asyncio.wait([created], timeout=1.0)
+            if w.state != "pending":
+                return False
+            w.state = "starting"
+            self._event(w.role, "placed", "a node with room joined", w)
+        except Exception:  # noqa: BLE001 - the actor died before it was created: start() reports it
+            pass
+        return w.state == "starting"
 
     async def _drain(self, w: WorkerRecord) -> None:
-        was_starting = w.state == "starting"
+        was_starting = w.state in ("pending", "starting")
         w.state = "draining"
         self._event(w.role, "draining", w.address, w)
         if not was_starting:
@@ -346,9 +399,10 @@ class Controller:
         except Exception:  # noqa: BLE001 - dead or hung
             return False
 
-    async def _wait_ready(self, timeout_s: float = 600) -> None:
+    async def _wait_ready(self, timeout_s: float = 600, include_pending: bool = False) -> None:
+        waiting = ("starting", "pending") if include_pending else ("starting",)
         deadline = time.monotonic() + timeout_s
-        while any(w.state == "starting" for w in self.workers.values()):
+        while any(w.state in waiting for w in self.workers.values()):
             if time.monotonic() > deadline:
                 raise TimeoutError("workers did not start in time")
             await asyncio.sleep(0.1)
@@ -364,11 +418,26 @@ class Controller:
         logger.info("event role=%s event=%s worker_id=%s %s", role, event, entry["worker_id"], detail)
 
 
+def kill_service_actors() -> int:
+    """Kill every pdserve worker and router actor left on this Ray cluster (they are detached:
+    after a `shutdown` that could not finish, nothing else would); returns how many."""
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == NAMESPACE and (a["name"].startswith(WORKER_PREFIX) or a["name"] == ROUTER_NAME)]
+    for name in names:
+        try:
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+        except Exception:  # noqa: BLE001 - gone meanwhile
+            pass
+    return len(names)
+
+
 def controller_handle():
     return ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
 
 
 def create_controller(config: ServeConfig):
+    """The controller actor; Ray restarts it whenever it dies (it re-adopts what runs)."""
     return ray.remote(Controller).options(
         name=CONTROLLER_NAME, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_concurrency=1000,
+        max_restarts=-1, resources=ON_HEAD,
     ).remote(config.with_token().model_dump())

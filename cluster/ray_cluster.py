@@ -73,6 +73,8 @@ def ray_env(local: bool) -> None:
               f"secrets; unset {AUTH_MODE_ENV} to turn it back on", file=sys.stderr, flush=True)
     if local:
         os.environ[SINGLE_HOST_ENV] = "0"
+    else:
+        os.environ.pop(SINGLE_HOST_ENV, None)
     if "ray" in sys.modules:  # imported already: Ray read these at import; refresh as Ray itself does
         import ray._private.ray_constants as ray_constants
         from ray._raylet import Config

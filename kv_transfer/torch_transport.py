@@ -48,6 +48,7 @@ import asyncio
 import datetime
 import itertools
 import logging
+import os
 import queue
 import secrets
 import socket
@@ -73,13 +74,20 @@ _GOODBYE = -1  # header transfer id that ends a pair cleanly
 _IDLE_WAIT = datetime.timedelta(days=1)
 
 
-def _make_group(store, rank: int, device: torch.device, timeout_s: float):
+def _make_group(store, rank: int, device: torch.device, timeout_s: float, host: str):
+    """The pair's two-rank group. Gloo binds to `host`, the worker's own address, so pairs
+    between nodes need no GLOO_SOCKET_IFNAME (which, when set, still wins)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, 2, options)
-    return dist.ProcessGroupGloo(store, rank, 2, timeout)
+    if os.environ.get("GLOO_SOCKET_IFNAME") or host in ("", "0.0.0.0", "::"):
+        return dist.ProcessGroupGloo(store, rank, 2, timeout)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return dist.ProcessGroupGloo(store, rank, 2, options)
 
 
 def _abort(group) -> None:
@@ -182,7 +190,7 @@ class TorchTransport:
         try:
             store = dist.TCPStore(host, int(port), is_master=False,
                                   timeout=datetime.timedelta(seconds=self.timeout_s))
-            group = _make_group(dist.PrefixStore(prefix, store), 1, self.device, self.timeout_s)
+            group = _make_group(dist.PrefixStore(prefix, store), 1, self.device, self.timeout_s, self.host)
         except Exception as exc:  # noqa: BLE001 - any rendezvous failure
             raise KVTransportError(f"cannot join KV pair at {address}: {exc}") from exc
         sender = TorchPairSender(group, store, self, min(self.max_piece_tokens, int(query)), endpoint)
@@ -234,7 +242,8 @@ class _PairReceiver(threading.Thread):
             # rendezvous until it timed out
             self.store = dist.TCPStore(t.host, t._store.port, is_master=False,
                                        timeout=datetime.timedelta(seconds=t.timeout_s))
-            group = self.group = _make_group(dist.PrefixStore(self.prefix, self.store), 0, t.device, t.timeout_s)
+            group = self.group = _make_group(dist.PrefixStore(self.prefix, self.store), 0, t.device, t.timeout_s,
+                                              t.host)
             message = _message_buffer(t.capacity, t.layout.torch_dtype, t.device)
             header, payload = _split(message, t.layout.torch_dtype)
             exact_sizes = t.device.type == "cuda"

@@ -64,8 +64,8 @@ def _counter_total(counter) -> float:
 
 def _worker(view) -> dict:
     s = view.stats
-    row = {"worker_id": view.worker_id, "role": view.role, "address": view.address, "state": view.state,
-           "routable": view.routable, "open_requests": view.open_requests}
+    row = {"worker_id": view.worker_id, "role": view.role, "address": view.address, "node": view.node,
+           "state": view.state, "routable": view.routable, "open_requests": view.open_requests}
     if s is None:
         return row
     return {**row, "running": s.num_running, "waiting": s.num_waiting + s.num_waiting_for_kv,
@@ -89,8 +89,8 @@ def pools_view(registry, cluster: dict | None) -> dict:
         if cluster is not None:
             known = {w["worker_id"] for w in workers}
             target = cluster["pools"][pool]["target"]
-            workers += [{"worker_id": w["worker_id"], "role": pool, "address": w["address"], "state": w["state"],
-                         "routable": False} for w in cluster["pools"][pool]["workers"]
+            workers += [{"worker_id": w["worker_id"], "role": pool, "address": w["address"], "node": w.get("node", ""),
+                         "state": w["state"], "routable": False} for w in cluster["pools"][pool]["workers"]
                         if w["worker_id"] not in known]
         out[pool] = {"workers_routable": sum(v.routable for v in views), "target": target,
                      "queue_depth": sum(x.num_waiting for x in s),

@@ -92,6 +92,16 @@ class RouterMetrics:
         self.autoscaler_correction = Gauge("pdserve_autoscaler_correction", "observed/predicted latency factor",
                                            ["pool"], registry=r)
         self.autoscaler_decisions = Gauge("pdserve_autoscaler_decisions", "autoscaler decisions so far", registry=r)
+        self.pool_target = Gauge("pdserve_pool_target_workers", "workers the controller keeps in each pool",
+                                 ["pool"], registry=r)
+        self.pool_pending = Gauge("pdserve_pool_pending_workers",
+                                  "workers of each pool waiting for a node with room (the pool is short)",
+                                  ["pool"], registry=r)
+
+    def set_pools(self, summary: dict) -> None:
+        for pool in POOLS:
+            self.pool_target.labels(pool).set(summary[pool]["target"])
+            self.pool_pending.labels(pool).set(summary[pool]["pending"])
 
     def set_autoscaler(self, summary: dict) -> None:
         self.autoscaler_decisions.set(summary["decisions"])

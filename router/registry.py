@@ -45,6 +45,7 @@ class WorkerView:
     unhealthy_until: float = 0.0
     failed_polls: int = 0  # Stats polls in a row that got no answer
     caches: bool | None = None  # has a prefix cache (None: not asked yet)
+    node: str = ""  # the address of the node it runs on, as the controller reports it
 
     @property
     def queued_prefill_tokens(self) -> int:
@@ -144,7 +145,7 @@ class WorkerRegistry:
                 view = WorkerView(m["role"], m["worker_id"], m["address"], m["state"], channel, stub_class(channel))
                 self._views[m["worker_id"]] = view
                 logger.info("worker joined role=%s id=%s address=%s", view.role, view.worker_id, view.address)
-            view.state = m["state"]
+            view.state, view.node = m["state"], m.get("node", "")
         for worker_id in list(self._views):
             if worker_id not in seen:
                 view = self._views.pop(worker_id)

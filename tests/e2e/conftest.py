@@ -42,7 +42,7 @@ def start_service(model_dir, **overrides):
 
     settings = {
         "model": str(model_dir), "served_model_name": "tiny", "worker_host": "127.0.0.1",
-        "env": {"GLOO_SOCKET_IFNAME": "lo"}, "health_check_interval_s": 0.5, "kv_transfer_timeout_s": 10,
+        "health_check_interval_s": 0.5, "kv_transfer_timeout_s": 10,
         "router.port": free_port(), "prefill.num_cpus": 0.5, "decode.num_cpus": 0.5,
         "router.admin_token": "secret-token", "drain_timeout_s": 60,
         "local_prefill_max_tokens": 0,  # the tests are of the split: every prompt goes to a prefill worker

@@ -14,7 +14,7 @@ from engine.profile import Profile, fit_cached_attention, fit_colocated, fit_dec
 
 
 def pdserve(*args, cwd=None):
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
+    env = dict(os.environ)
     return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True,
                           timeout=600, env=env, cwd=cwd)
 
