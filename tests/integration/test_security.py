@@ -5,6 +5,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 
 import grpc
 import pytest
@@ -46,6 +47,18 @@ def _refused(exc_info) -> bool:
     return exc_info.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
+OURS_TOKENS = 128  # decode steps enough for the Abort and two Stats calls to land among them
+
+
+async def wait_running(stub, request: asyncio.Future, timeout_s: float = 60.0) -> None:
+    """Until the decode worker's Stats show a request in its batch (ours: the only one)."""
+    deadline = time.monotonic() + timeout_s
+    while not (await stub.Stats(pb.StatsRequest())).num_running:
+        assert not request.done(), f"our request ended before it was seen running: {request.result()}"
+        assert time.monotonic() < deadline, f"our request was not running on the decode worker after {timeout_s} s"
+        await asyncio.sleep(0.005)
+
+
 @pytest.mark.parametrize("bad", [WRONG, None], ids=["wrong-token", "no-token"])
 def test_decode_worker_refuses_every_rpc_and_changes_nothing(pair, bad):
     prefill, decode = pair
@@ -63,18 +76,22 @@ def test_decode_worker_refuses_every_rpc_and_changes_nothing(pair, bad):
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await collect(intruder, generate_request("stranger", PROMPT, 4, [prefill.address]))
             assert _refused(refused)
-            # a long request of ours, which a stranger's Abort must not end
-            ours = asyncio.ensure_future(collect(good, generate_request("ours", PROMPT, 48, [prefill.address])))
-            await asyncio.sleep(0.5)
+            # a long request of ours, which a stranger's Abort must not end: it is sent while
+            # ours is decoding, and ours is still decoding after it was refused
+            ours = asyncio.ensure_future(collect(good, generate_request("ours", PROMPT, OURS_TOKENS,
+                                                                        [prefill.address])))
+            await wait_running(good, ours)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await intruder.Abort(pb.AbortRequest(request_id="ours"))
             assert _refused(refused)
+            still_running = (await good.Stats(pb.StatsRequest())).num_running
+            assert still_running and not ours.done(), "our request ended before the stranger's Abort was refused"
             tokens, finish, _ = await ours
             after = await wait_idle(good)
             return before, after, tokens, finish
 
     before, after, tokens, finish = asyncio.run(scenario())
-    assert finish == "length" and len(tokens) == 48, "a refused Abort ended our request"
+    assert finish == "length" and len(tokens) == OURS_TOKENS, "a refused Abort ended our request"
     assert after.num_finished == before.num_finished + 1, "the stranger's Generate ran"
     assert after.num_free_blocks == after.num_total_blocks
 

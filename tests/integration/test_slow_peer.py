@@ -50,7 +50,8 @@ def test_a_hung_decode_peer_fails_only_its_own_leg(tiny_llama_dir):
                         request_id="stuck", prompt_token_ids=STUCK_PROMPT, seed=1, transfer_id=1,
                         sampling=pb.SamplingOptions(max_tokens=1, temperature=0, ignore_eos=True),
                         kv_transport="torch", kv_endpoint=endpoint)
-                    start.layout.CopyFrom((await p_stub.Info(pb.InfoRequest())).layout)
+                    p_info = await p_stub.Info(pb.InfoRequest())
+                    start.layout.CopyFrom(p_info.layout)
                     stuck, messages = await prefill_leg(p_stub, start)
                     other = await asyncio.wait_for(
                         collect(d_stub, generate_request("other", PROMPT, 8, [p.address])), timeout=120)
@@ -59,18 +60,20 @@ def test_a_hung_decode_peer_fails_only_its_own_leg(tiny_llama_dir):
                     await messages.put(None)
                     hung.kill()  # the hung worker is replaced: its pair on the prefill worker breaks
                     after = await collect(d_stub, generate_request("after", PROMPT[1:], 4, [p.address]))
-                    return other, failed.value, after, await wait_idle(p_stub, 60), await wait_idle(d_stub, 60)
+                    return (p_info.worker_id, other, failed.value, after, await wait_idle(p_stub, 60),
+                            await wait_idle(d_stub, 60))
 
-            (tokens, finish, prefilled_by), failed, after, p_idle, d_idle = asyncio.run(scenario())
+            p_id, (tokens, finish, prefilled_by), failed, after, p_idle, d_idle = asyncio.run(scenario())
             p_log = p.log()
     finally:
         hung.kill()
         hung.wait(30)
     assert finish == "length" and tokens == expected, "the other decode worker's request was served right"
-    assert prefilled_by, "it was prefilled on the prefill worker that the hung peer was stalling"
+    # not "local": a decode worker that gave up on the stalled prefill worker would pass otherwise
+    assert prefilled_by == p_id, f"prefilled by {prefilled_by!r}, not on the prefill worker the hung peer stalls"
     assert failed.code() == grpc.StatusCode.ABORTED, failed
     assert "not reading" in failed.details() and "kv_send_deadline_s" in failed.details(), failed.details()
-    assert after[1] == "length" and after[2], "the prefill worker still serves after the hung peer went"
+    assert after[1] == "length" and after[2] == p_id, "the prefill worker still serves after the hung peer went"
     assert p_idle.num_free_blocks == p_idle.num_total_blocks and not p_idle.num_running, p_idle
     assert d_idle.num_free_blocks == d_idle.num_total_blocks, d_idle
     assert "Traceback" not in p_log, p_log

@@ -48,6 +48,22 @@ def release(receiver: TorchTransport, peer_id: str, endpoint: str) -> None:
     assert peer_id not in receiver._receivers, "an ended pair stays in the transport's table"
 
 
+def wait_until_waiting_for_peer(endpoint: str, timeout_s: float = 30.0) -> None:
+    """Until the pair named by `endpoint`, the only one started on its store, is waiting for
+    its peer: its receiver has posted its half of the rendezvous (a key in the store, which
+    holds nothing else) and blocks in the group's forming."""
+    import datetime
+
+    import torch.distributed as dist
+
+    host, _, port = endpoint.partition("/")[0].rpartition(":")
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    deadline = time.monotonic() + timeout_s
+    while store.num_keys() == 0:
+        assert time.monotonic() < deadline, f"the pair at {endpoint} posted no rendezvous key in {timeout_s} s"
+        time.sleep(0.01)
+
+
 def test_sender_cuts_pieces_to_the_receivers_capacity():
     """A prefill worker configured for bigger pieces than the decode worker can stage must
     still deliver every token intact (the endpoint tells it the receiver's capacity)."""
@@ -114,7 +130,7 @@ def test_a_pair_whose_peer_never_comes_does_not_hold_up_another():
     receiver = TorchTransport("d", LAYOUT, "cpu", max_piece_tokens=8, timeout_s=600)
     receiver.listen(table)
     never = receiver.accept("never")
-    time.sleep(0.5)  # its receiver is now waiting for its peer
+    wait_until_waiting_for_peer(never)
     sender = connect(TorchTransport("p", LAYOUT, "cpu", max_piece_tokens=8), receiver.accept("p"))
     ship_six_tokens(table, sender, receiver)
     release(receiver, "never", never)

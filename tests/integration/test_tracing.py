@@ -208,6 +208,38 @@ print(json.dumps({"served": served, "otel": otel}), flush=True)
 """
 
 
+# The positive control: a process that batches one span with the SDK configured by the
+# environment alone (endpoint and batch delay) and never flushes it: it arrives by the batch
+# delay, as a worker's would.
+_CONTROL = """
+import time
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+provider = TracerProvider(resource=Resource.create({"service.name": "control"}))
+provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+provider.get_tracer("control").start_span("control").end()
+time.sleep(600)
+"""
+
+
+def wait_for_control_span(receiver: Receiver, env: dict, timeout_s: float = 60.0) -> list[dict]:
+    """Run the positive control with `env` until the receiver has its span; returns the spans then."""
+    control = subprocess.Popen([sys.executable, "-c", _CONTROL], cwd=ROOT, env={**os.environ, **env},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not any(s["service"] == "control" for s in receiver.snapshot()):
+            assert control.poll() is None, f"the control process exited: {control.stderr.read()[-2000:]}"
+            assert time.monotonic() < deadline, f"the control's span did not arrive in {timeout_s} s"
+            time.sleep(0.05)
+        return receiver.snapshot()
+    finally:
+        control.kill()
+        control.wait(30)
+
+
 def test_off_exports_nothing_and_the_router_imports_no_sdk(tiny_llama_dir, receiver):
     model = str(tiny_llama_dir)
     # were anything to trace with the SDK's own defaults, it would export here
@@ -223,9 +255,12 @@ def test_off_exports_nothing_and_the_router_imports_no_sdk(tiny_llama_dir, recei
         assert report["served"], result.stderr[-3000:]
         assert report["otel"] == [], f"the router imported {report['otel'][:5]} with tracing off"
         assert asyncio.run(stats_of(p.address, "prefill")).kv_bytes_sent > 0  # the request took the full path
-        time.sleep(1.0)  # several of the SDK's batch delays, were any processor running
+        # a span the SDK batches by the same environment, after the request's, has arrived: a
+        # worker's span batched the same way would have too
+        control = wait_for_control_span(receiver, trap)
+        assert {s["service"] for s in receiver.snapshot()} == {"control"}, receiver.snapshot()[:3]
     # the workers have exited (flushing whatever they held)
-    assert receiver.snapshot() == []
+    assert receiver.snapshot() == control
 
 
 def test_off_makes_no_spans_and_sends_no_context():
