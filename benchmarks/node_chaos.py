@@ -35,26 +35,23 @@ SETTINGS = {"worker_host": None, "prefill.replicas": 2, "decode.replicas": 2, "p
             "env": {"OMP_NUM_THREADS": "1"}}
 
 
-class NodeChaos(threading.Thread):
-    """Every 60-90 s remove a random worker node; 20-40 s later add a node of its role back."""
+class NodeChaos:
+    """Every 60-90 s remove a random worker node; 20-40 s later add a node of its role back.
+    Runs on the main thread (Ray's Cluster registers signal handlers as it adds a node)."""
 
-    def __init__(self, nodes, controller, seed: int, started: float) -> None:
-        super().__init__(daemon=True)
-        self.nodes, self.controller, self.rng = nodes, controller, random.Random(seed)
-        self.started, self.stop_event, self.events = started, threading.Event(), []
+    def __init__(self, nodes, seed: int, started: float) -> None:
+        self.nodes, self.rng, self.started, self.events = nodes, random.Random(seed), started, []
         self._next_ip = 10
 
-    def run(self) -> None:
-        while not self.stop_event.wait(self.rng.uniform(60, 90)):
-            workers = [n for n in self.nodes.by_name if n != "head"]
-            name = self.rng.choice(workers)
+    def run_until(self, done: threading.Event) -> None:
+        while not done.wait(self.rng.uniform(60, 90)):
+            name = self.rng.choice([n for n in self.nodes.by_name if n != "head"])
             role = name.split("-")[0]
             event = {"node": name, "role": role, "removed_at_s": self.now()}
             print(f"node chaos: removing {name}", flush=True)
             self.nodes.remove(name)
             self.events.append(event)
-            if self.stop_event.wait(self.rng.uniform(20, 40)):
-                break
+            done.wait(self.rng.uniform(20, 40))  # the node comes back even after the load ended
             self._next_ip += 1
             added = f"{role}-{self._next_ip}"
             self.nodes.add(added, f"127.0.0.{self._next_ip}", resources={role: 1})
@@ -80,6 +77,18 @@ def recovery(events: list[dict], controller_events: list[dict], started: float) 
                     "back_to_target_after_removal_s": round(ready[0] - removed, 2) if ready else None,
                     "back_to_target_after_node_added_s": round(ready[0] - added, 2) if ready else None})
     return out
+
+
+def wait_for_targets(controller, timeout_s: float = 300) -> None:
+    """Until every pool has its target of ready workers (the last node added back)."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        pools = ray.get(controller.status.remote())["pools"]
+        if all(sum(w["state"] == "ready" for w in p["workers"]) == p["target"] for p in pools.values()):
+            return
+        time.sleep(1.0)
 
 
 def plot(result: dict, path: Path) -> None:
@@ -128,12 +137,20 @@ def main() -> None:
     try:
         url = ray.get(controller.start.remote())
         started = time.time()
-        chaos = NodeChaos(nodes, controller, args.seed, started)
-        chaos.start()
-        results = asyncio.run(drive(url, rows, args.duration, args.time_scale))
-        chaos.stop_event.set()
-        chaos.join()
+        chaos, done, results = NodeChaos(nodes, args.seed, started), threading.Event(), []
+
+        def load() -> None:
+            try:
+                results.extend(asyncio.run(drive(url, rows, args.duration, args.time_scale)))
+            finally:
+                done.set()
+
+        traffic = threading.Thread(target=load, daemon=True)
+        traffic.start()
+        chaos.run_until(done)
+        traffic.join()
         wall = time.time() - started
+        wait_for_targets(controller)
         leaked = leaked_blocks(controller, timeout_s=120)
         migrated = migrations(url)
         status = ray.get(controller.status.remote())

@@ -224,6 +224,23 @@ def _controller(address):
         raise ValueError("pdserve is not running on this Ray cluster; start it with `pdserve up`") from None
 
 
+def _ask(call, restart_wait_s: float = 60.0):
+    """`ray.get(call())`, asked again while Ray restarts the controller (it re-adopts the
+    service within seconds) rather than failing an operator's command on that moment."""
+    import ray
+    from ray.exceptions import ActorUnavailableError
+
+    deadline = time.monotonic() + restart_wait_s
+    while True:
+        try:
+            return ray.get(call())
+        except ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise ValueError("the pdserve controller is restarting and did not come back in "
+                                 f"{restart_wait_s:.0f}s; try again, or see `pdserve ray status`") from None
+            time.sleep(1.0)
+
+
 def _dtypes(status: dict) -> str:
     """The workers' dtypes, e.g. "bfloat16 on every worker" or "prefill float32, decode bfloat16"."""
     by_pool = {role: sorted({w["dtype"] for w in pool["workers"] if w.get("dtype")})
@@ -242,7 +259,7 @@ def _status(args) -> int:
 
     if args.watch:
         return watch_status(lambda: ray.get(controller.status.remote(), timeout=30), args.interval, args.json)
-    status = ray.get(controller.status.remote())
+    status = _ask(lambda: controller.status.remote())
     if args.json:
         print(json.dumps(status, indent=2))
         return 0
@@ -325,16 +342,14 @@ def _scale(args) -> int:
         sizes = replicas_from_plan(args.plan)
         args.prefill, args.decode = sizes["prefill.replicas"], sizes["decode.replicas"]
     controller = _controller(args.address)
-    import ray
-
     if args.auto:
-        ray.get(controller.clear_override.remote())
+        _ask(lambda: controller.clear_override.remote())
         print("both pools are back under the autoscaler")
         if args.prefill is None and args.decode is None:
             return 0
     if args.prefill is None and args.decode is None:
         raise ValueError("give --prefill N and/or --decode M, --plan FILE, or --auto")
-    targets = ray.get(controller.scale.remote(prefill=args.prefill, decode=args.decode, wait=not args.no_wait))
+    targets = _ask(lambda: controller.scale.remote(prefill=args.prefill, decode=args.decode, wait=not args.no_wait))
     print(f"pools now: prefill {targets['prefill']}, decode {targets['decode']}")
     return 0
 
