@@ -11,7 +11,8 @@ import sys
 import threading
 import time
 
-ADDRESS_HELP = "Ray cluster address (default: the local one `pdserve up` started)"
+ADDRESS_HELP = ("Ray cluster address; `auto`: this machine's Ray, as on a `ray up` head (default: the local Ray "
+                "that `pdserve up` started)")
 RAY_SECURITY_EPILOG = """\
 Ray is closed by default: a local head listens on 127.0.0.1 only and Ray's token auth is on
 (the token is Ray's default file, ~/.ray/auth_token, created on first start). Every pdserve

@@ -229,9 +229,9 @@ def _init(address: str) -> None:
 
 
 def connect(address: str | None, start_if_missing: bool = False, num_cpus: int | None = None) -> LocalRay | None:
-    """Connect this process to Ray: `address` when given; else the local Ray that `pdserve up`
-    started; else (`start_if_missing`) a new local head, returned so its starter can stop it;
-    else this machine's Ray as `auto` finds it (a `ray up` head)."""
+    """Connect this process to Ray: `address` when given (`auto`: this machine's Ray, as on a
+    `ray up` head); else the local Ray that `pdserve up` started; else (`start_if_missing`) a
+    new local head, returned so its starter can stop it. Never a Ray it was not told about."""
     if address:
         ray_env(local=is_loopback(address))
         _init(address)
@@ -241,17 +241,12 @@ def connect(address: str | None, start_if_missing: bool = False, num_cpus: int |
         ray_env(local=True)
         _init(recorded.address)
         return None
-    if start_if_missing:
-        local = start_local_head(num_cpus or os.cpu_count() or 1)
-        _init(local.address)
-        return local
-    ray_env(local=False)
-    try:
-        _init("auto")
-    except ConnectionError:
-        raise ValueError("pdserve is not running here (no local Ray that `pdserve up` started, and none "
-                         "to find with `auto`); start it with `pdserve up`, or give --address") from None
-    return None
+    if not start_if_missing:
+        raise ValueError("pdserve is not running here (no local Ray that `pdserve up` started); start it "
+                         "with `pdserve up`, or give --address (on a `ray up` cluster's head: --address auto)")
+    local = start_local_head(num_cpus or os.cpu_count() or 1)
+    _init(local.address)
+    return local
 
 
 def init_private_cluster(num_cpus: int, object_store_memory: int = 300_000_000) -> None:

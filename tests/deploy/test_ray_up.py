@@ -53,8 +53,12 @@ def sshd(tmp_path):
         pytest.skip("port 22 is taken on 127.0.0.1")
     if (HOME / "pdserve").exists():
         pytest.skip(f"{HOME / 'pdserve'} exists; the cluster mounts the checkout there")
-    if ray_processes():
-        pytest.skip("a Ray cluster is already running on this machine")
+    # `ray down` runs `ray stop`, which stops every Ray here: none may run (an earlier test's
+    # leftovers get a moment to go, then are named)
+    deadline = time.monotonic() + 30
+    while ray_processes() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not ray_processes(), f"a Ray is still running here: {ray_processes()}"
     key, host_key = tmp_path / "id", tmp_path / "host"
     for path in (key, host_key):
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True)
