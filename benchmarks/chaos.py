@@ -191,19 +191,25 @@ def plot(result: dict, path: Path) -> None:
         ax.legend()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def load_under_chaos(description: str, port: int, out: Path):
+    """The chaos benchmarks' command line and load: (args, workload rows, offline references
+    of the rows the run will send)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--duration", type=float, default=600.0, help="seconds of load under chaos (default 600)")
     parser.add_argument("--time-scale", type=float, default=2.0,
                         help="stretch the workload's arrivals by this factor (default 2: ~0.5 req/s)")
     parser.add_argument("--seed", type=int, default=0, help="the chaos schedule's seed")
-    parser.add_argument("--port", type=int, default=8131)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/chaos.json")
+    parser.add_argument("--port", type=int, default=port)
+    parser.add_argument("--out", type=Path, default=out)
     args = parser.parse_args()
     rows = workload_rows("online-poisson", 10_000)
     used = [r for r in rows if r["arrival_s"] * args.time_scale <= args.duration]
     print(f"reference outputs for {len(used)} requests, offline ...", flush=True)
-    refs = references(used)
+    return args, rows, references(used)
+
+
+def main() -> None:
+    args, rows, refs = load_under_chaos(__doc__.split("\n")[0], 8131, ROOT / "benchmarks/results/chaos.json")
 
     import ray
 

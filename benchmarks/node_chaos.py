@@ -15,7 +15,6 @@ Targets: 0 failed requests, 0 token differences, 0 leaked blocks.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import random
 import sys
@@ -26,8 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.chaos import MODEL, compare, drive, leaked_blocks, migrations, references  # noqa: E402
-from benchmarks.prefix_reuse import WORKLOADS, workload_rows  # noqa: E402
+from benchmarks.chaos import MODEL, compare, drive, leaked_blocks, load_under_chaos, migrations  # noqa: E402
+from benchmarks.prefix_reuse import WORKLOADS  # noqa: E402
 from benchmarks.report import panels, repo_relative, write  # noqa: E402
 
 SETTINGS = {"worker_host": None, "prefill.replicas": 2, "decode.replicas": 2, "prefill.num_cpus": 0.5,
@@ -111,18 +110,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--duration", type=float, default=600.0, help="seconds of load under chaos (default 600)")
-    parser.add_argument("--time-scale", type=float, default=2.0,
-                        help="stretch the workload's arrivals by this factor (default 2: ~0.5 req/s)")
-    parser.add_argument("--seed", type=int, default=0, help="the chaos schedule's seed")
-    parser.add_argument("--port", type=int, default=8132)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/node_chaos.json")
-    args = parser.parse_args()
-    rows = workload_rows("online-poisson", 10_000)
-    used = [r for r in rows if r["arrival_s"] * args.time_scale <= args.duration]
-    print(f"reference outputs for {len(used)} requests, offline ...", flush=True)
-    refs = references(used)
+    args, rows, refs = load_under_chaos(__doc__.split("\n")[0], 8132, ROOT / "benchmarks/results/node_chaos.json")
 
     import ray
 
