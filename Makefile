@@ -25,7 +25,7 @@ serve: $(STAMP)
 	$(BIN)/pdserve up
 
 test: $(STAMP)
-	$(BIN)/python -m engine.model.kernels  # compiled once here (a failed build fails the target), not inside a test
+	$(BIN)/python -m pdserve.engine.model.kernels  # compiled once here (a failed build fails the target), not inside a test
 	$(BIN)/python -m pytest -m "not gpu" -q tests
 
 lint: $(STAMP)

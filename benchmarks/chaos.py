@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.prefix_reuse import WORKLOADS, local_ray, workload_rows  # noqa: E402
 from benchmarks.report import panels, repo_relative, sse_events, write  # noqa: E402
-from engine.stats import percentile  # noqa: E402
+from pdserve.engine.stats import percentile  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 SETTINGS = {"prefill.replicas": 2, "decode.replicas": 2, "prefill.num_cpus": 0.5, "decode.num_cpus": 0.5,
@@ -44,7 +44,7 @@ def sampling(index: int) -> dict:
 
 def references(rows: list[dict]) -> list[list[int]]:
     """Each row's tokens from the engine offline (same model, default dtype)."""
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     llm = LLM(MODEL)
     params = [SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True, **sampling(i)) for i, r in enumerate(rows)]
@@ -213,8 +213,8 @@ def main() -> None:
 
     import ray
 
-    from cluster.config import load_config
-    from cluster.controller import create_controller
+    from pdserve.cluster.config import load_config
+    from pdserve.cluster.controller import create_controller
 
     with local_ray(num_cpus=2):
         controller = create_controller(load_config(None, {"router.port": args.port, **SETTINGS}))

@@ -92,8 +92,8 @@ def main() -> int:
     if not (args.guidellm or args.aiperf):
         parser.error("give --guidellm and/or --aiperf")
 
-    from engine.config import DEFAULT_MODEL
-    from engine.model_source import resolve_model
+    from pdserve.engine.config import DEFAULT_MODEL
+    from pdserve.engine.model_source import resolve_model
 
     tokenizer = resolve_model(DEFAULT_MODEL)
     pdserve = str(Path(sys.executable).with_name("pdserve"))

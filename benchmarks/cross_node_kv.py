@@ -32,8 +32,8 @@ def run_transport(transport: str, port: int) -> dict:
 
     import ray
 
-    from cluster.config import load_config
-    from cluster.controller import create_controller
+    from pdserve.cluster.config import load_config
+    from pdserve.cluster.controller import create_controller
 
     config = load_config(None, {"model": MODEL, "router.port": port, "worker_host": None, "kv_transport": transport,
                                 "local_prefill_max_tokens": 0, "prefill.resources": {"prefill": 1},
@@ -73,7 +73,7 @@ def main() -> None:
     import os
 
     assert not os.environ.get("GLOO_SOCKET_IFNAME"), "this run shows that no GLOO_SOCKET_IFNAME is needed"
-    from testkit.nodes import Nodes
+    from pdserve.testkit.nodes import Nodes
 
     nodes = Nodes()
     try:

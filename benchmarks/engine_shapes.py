@@ -39,7 +39,7 @@ def refit_errors(rows: list[dict]) -> dict[str, float]:
     each fitted to minimise relative error."""
     import numpy as np
 
-    from engine.profile import fit_decode, fit_nonnegative
+    from pdserve.engine.profile import fit_decode, fit_nonnegative
 
     batch, context, seconds = (np.array([r[key] for r in rows], dtype=float) for key in ("B", "C", "measured_s"))
     linear = np.column_stack([np.ones_like(batch), batch, context]) / seconds[:, None]
@@ -63,11 +63,11 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(cores)
-    from cluster.planner.profiler import DECODE_SHAPES, _mixed_step, time_decode_step
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.model_source import resolve_model
-    from engine.profile import Profile
+    from pdserve.cluster.planner.profiler import DECODE_SHAPES, _mixed_step, time_decode_step
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.model_source import resolve_model
+    from pdserve.engine.profile import Profile
 
     profile_path = args.profile or RESULTS / ("profile_1core.json" if cores == 1 else "profile_2cores.json")
     profile = Profile.load(profile_path)

@@ -41,7 +41,7 @@ LAYERS, TOKENS, KV_HEADS, HEAD_DIM = 30, 2048, 3, 64
 
 
 def layout():
-    from kv_transfer.layout import KVLayout
+    from pdserve.kv_transfer.layout import KVLayout
 
     return KVLayout(LAYERS, 16, KV_HEADS, HEAD_DIM, "float32")
 
@@ -109,8 +109,8 @@ def socket_gbps(repeats: int, cpu_ms: list | None = None) -> float:
 
 # ---------------------------------------------------------------- transports
 def _torch_receiver(conn, repeats: int, shuffled: bool) -> None:
-    from kv_transfer.reservations import ReservationTable
-    from kv_transfer.torch_transport import TorchTransport
+    from pdserve.kv_transfer.reservations import ReservationTable
+    from pdserve.kv_transfer.torch_transport import TorchTransport
 
     lay = layout()
     blocks = TOKENS // lay.block_size
@@ -136,7 +136,7 @@ def torch_gbps(repeats: int, shuffled: bool = False, cpu_ms: list | None = None)
     """Into consecutive cache blocks, or (`shuffled`) into blocks in random order, as a
     long-running decode worker's free list hands them out. Appends the median CPU
     milliseconds per transfer to `cpu_ms`, if given."""
-    from kv_transfer.torch_transport import TorchTransport
+    from pdserve.kv_transfer.torch_transport import TorchTransport
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -166,11 +166,11 @@ def torch_gbps(repeats: int, shuffled: bool = False, cpu_ms: list | None = None)
 def _grpc_sender_server(port_queue, repeats: int) -> None:
     """A minimal PrefillWorker whose Prefill stream ships the KV with GrpcStreamSender."""
 
-    from kv_transfer.grpc_transport import GrpcStreamSender
-    from protos import pdserve_pb2 as pb
-    from protos import pdserve_pb2_grpc as pb_grpc
-    from protos.channel import new_server
-    from testkit.workers import SECURITY
+    from pdserve.kv_transfer.grpc_transport import GrpcStreamSender
+    from pdserve.protos import pdserve_pb2 as pb
+    from pdserve.protos import pdserve_pb2_grpc as pb_grpc
+    from pdserve.rpc.channel import new_server
+    from pdserve.testkit.workers import SECURITY
 
     k = torch.randn(TOKENS, KV_HEADS, HEAD_DIM)
     v = torch.randn(TOKENS, KV_HEADS, HEAD_DIM)
@@ -204,11 +204,11 @@ def _grpc_sender_server(port_queue, repeats: int) -> None:
 
 def grpc_gbps(repeats: int) -> float:
 
-    from kv_transfer.reservations import ReservationTable
-    from protos import pdserve_pb2 as pb
-    from protos import pdserve_pb2_grpc as pb_grpc
-    from protos.channel import open_channel
-    from testkit.workers import SECURITY
+    from pdserve.kv_transfer.reservations import ReservationTable
+    from pdserve.protos import pdserve_pb2 as pb
+    from pdserve.protos import pdserve_pb2_grpc as pb_grpc
+    from pdserve.rpc.channel import open_channel
+    from pdserve.testkit.workers import SECURITY
 
     ctx = mp.get_context("spawn")
     port_queue = ctx.Queue()
@@ -249,7 +249,7 @@ def offline_prefill_s(model: str, prompt: list[int], repeats: int) -> list[float
     code = f"""
 import json, time, torch
 torch.set_num_threads(1)
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 llm = LLM({model!r}, max_num_batched_tokens={TOKENS})
 prompt = {prompt!r}
 llm.generate([prompt[:64]], SamplingParams(max_tokens=1))
@@ -266,7 +266,7 @@ print("RESULT", json.dumps(times))
 
 
 def disaggregated_ttft_s(model: str, prompt: list[int], repeats: int, transport: str) -> list[float]:
-    from testkit.workers import WorkerProcess, decode_stub, generate_request
+    from pdserve.testkit.workers import WorkerProcess, decode_stub, generate_request
 
     args = ("--max-num-batched-tokens", str(TOKENS))
     env = {**PINNED_ENV}
@@ -312,7 +312,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "kv_transfer.json")
     args = parser.parse_args()
 
-    from engine.model_source import resolve_model
+    from pdserve.engine.model_source import resolve_model
 
     model = str(resolve_model(args.model))
     result = {"kv_bytes": kv_bytes(), "ttft_s": {}}

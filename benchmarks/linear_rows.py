@@ -33,7 +33,7 @@ def median_ms(fn, repeats: int = 15) -> float:
 def main() -> None:
     import torch
 
-    from engine.model.linear import AMX_INVARIANT_ROWS, cpu_has_amx, pack, packed_product
+    from pdserve.engine.model.linear import AMX_INVARIANT_ROWS, cpu_has_amx, pack, packed_product
 
     torch.set_num_threads(1)
     rows = []

@@ -144,8 +144,8 @@ def main() -> int:
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/lm_eval_compare.json"))
     args = parser.parse_args()
 
-    from engine.config import DEFAULT_MODEL
-    from engine.model_source import resolve_model
+    from pdserve.engine.config import DEFAULT_MODEL
+    from pdserve.engine.model_source import resolve_model
 
     checkpoint = str(resolve_model(DEFAULT_MODEL))
     pdserve = str(Path(sys.executable).with_name("pdserve"))

@@ -114,9 +114,9 @@ def main() -> None:
 
     import ray
 
-    from cluster.config import load_config
-    from cluster.controller import create_controller
-    from testkit.nodes import Nodes
+    from pdserve.cluster.config import load_config
+    from pdserve.cluster.controller import create_controller
+    from pdserve.testkit.nodes import Nodes
 
     nodes = Nodes()
     for i, role in enumerate(("prefill", "prefill", "decode", "decode")):

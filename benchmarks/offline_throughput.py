@@ -69,7 +69,7 @@ def run_hf_static(model, requests: list[dict], batch_size: int, pad_id: int) -> 
 
 
 def run_pdserve(llm, requests: list[dict]) -> dict:
-    from engine import SamplingParams
+    from pdserve.engine import SamplingParams
 
     prompts = [r["prompt_token_ids"] for r in requests]
     params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0, ignore_eos=True)
@@ -87,8 +87,8 @@ def decode_step_pdserve(llm, batch: int, context: int, steps: int) -> dict:
     are all decoding, and where the model's time goes: paged attention (with its KV writes),
     linear layers, the LM head, and the rest (embedding, the fused norms, RoPE and SwiGLU),
     each a mean over the steps."""
-    import engine.model.llama as llama
-    from engine import SamplingParams
+    import pdserve.engine.model.llama as llama
+    from pdserve.engine import SamplingParams
 
     engine = llm.engine
     gen = torch.Generator().manual_seed(0)
@@ -158,7 +158,7 @@ def decode_step_hf(model, batch: int, context: int, steps: int) -> dict:
 
 def prefill_throughput(llm, num_prompts: int, length: int) -> dict:
     """Prompt tokens/s of `num_prompts` random prompts of `length` tokens (one output token)."""
-    from engine import SamplingParams
+    from pdserve.engine import SamplingParams
 
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 40000, (length,), generator=gen).tolist() for _ in range(num_prompts)]
@@ -292,8 +292,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from benchmarks import roofline
-    from engine.cpu import first_cpu_info, native_bf16_flags
-    from engine.model_source import resolve_model
+    from pdserve.engine.cpu import first_cpu_info, native_bf16_flags
+    from pdserve.engine.model_source import resolve_model
 
     requests = load_workload(args.workload)
     model_dir = resolve_model(args.model)
@@ -305,7 +305,7 @@ def main() -> None:
               "cpu": {k: first_cpu_info().get(k, "") for k in ("vendor_id", "cpu family", "model", "model name")},
               "step_batch": args.step_batch, "step_context": args.step_context,
               "ceilings": ceilings, "dtypes": {}}
-    from engine import LLM
+    from pdserve.engine import LLM
 
     # prefix caching off: the runs repeat the same prompts, and a cached prompt skips its
     # prefill (with it on, every run after the first measured decode alone)

@@ -23,7 +23,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.report import panels, repo_relative, write  # noqa: E402
-from engine.stats import percentile  # noqa: E402
+from pdserve.engine.stats import percentile  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 DEFAULT_TRACE = ROOT.parent / "shared" / "workloads" / "online-poisson.jsonl"
@@ -92,7 +92,7 @@ def summarize(results: list[dict], wall_s: float, ttft_slo: float, tpot_slo: flo
 async def router_overhead(url: str, model: str, decode_address: str, prefill_addresses: list[str],
                           repeats: int) -> dict:
     """p50 latency of a 1-token request through the router vs straight to the decode worker."""
-    from testkit.workers import collect, decode_stub, generate_request
+    from pdserve.testkit.workers import collect, decode_stub, generate_request
 
     prompt = list(range(100, 132))
     via_router, direct = [], []
@@ -134,9 +134,9 @@ def plot(result: dict, path: Path) -> None:
 def start_service(model: str, port: int):
     import ray
 
-    from cluster.config import load_config
-    from cluster.controller import create_controller
-    from cluster.ray_cluster import init_private_cluster
+    from pdserve.cluster.config import load_config
+    from pdserve.cluster.controller import create_controller
+    from pdserve.cluster.ray_cluster import init_private_cluster
 
     if not ray.is_initialized():
         init_private_cluster(4)
@@ -159,8 +159,8 @@ def measure_overhead(port: int, repeats: int) -> dict:
 
     import ray
 
-    from engine.model_source import resolve_model
-    from testkit.models import build_tiny_model
+    from pdserve.engine.model_source import resolve_model
+    from pdserve.testkit.models import build_tiny_model
 
     tiny = build_tiny_model(Path(tempfile.mkdtemp()), "llama", resolve_model("SmolLM2-135M-Instruct"))
     controller, url = start_service(str(tiny), port)

@@ -36,9 +36,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "planner_sensitivity.json")
     args = parser.parse_args()
 
-    from cluster.planner.simulator import attainment
-    from cluster.planner.workload import SimRequest
-    from engine.profile import Profile
+    from pdserve.cluster.planner.simulator import attainment
+    from pdserve.cluster.planner.workload import SimRequest
+    from pdserve.engine.profile import Profile
 
     validation = json.loads(args.results.read_text())
     if not all("work" in run for point in validation["points"].values() for run in point["runs"]):

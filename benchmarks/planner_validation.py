@@ -116,7 +116,7 @@ REFERENCE_PROFILE = RESULTS / "reference_profile_1core.json"
 
 def run_profile(out: Path, cores: str, threads: int, model: str, repeats: int) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    subprocess.run(["taskset", "-c", cores, sys.executable, "-m", "cluster.cli", "profile", "--model", model,
+    subprocess.run(["taskset", "-c", cores, sys.executable, "-m", "pdserve.cluster.cli", "profile", "--model", model,
                     "--out", str(out), "--repeats", str(repeats)], check=True, env=env, cwd=ROOT)
 
 
@@ -129,7 +129,7 @@ def host_scale(profile, reference) -> float:
     host whose engine runs at another speed (measured: a host without AVX-512, in fp32, ran
     SmolLM2's 1-core decode steps at ~100 ms against the reference host's ~22 ms; the 40 ms
     TPOT SLO that separates the layouts there is one no layout meets here)."""
-    from engine.profile import prefill_seconds
+    from pdserve.engine.profile import prefill_seconds
 
     ratios = (prefill_seconds(profile, 2048) / prefill_seconds(reference, 2048),
               profile.decode_step_s(8, 8 * 256) / reference.decode_step_s(8, 8 * 256))
@@ -153,7 +153,7 @@ def run_attainment(latencies: dict, slo) -> dict:
     diagnostic own-speed model (calibrated
     on the run's own steps: not a prediction, since it needs the run; what is left of the
     error once the machine's speed during the run is known)."""
-    from cluster.planner.simulator import attainment
+    from pdserve.cluster.planner.simulator import attainment
 
     return {name: attainment(latencies[name], slo.ttft_s, slo.tpot_s)
             for name in ("measured", "predicted", "predicted_warmup", "predicted_pooled", "predicted_engine_only",
@@ -192,7 +192,7 @@ def compact(work) -> list:
 def simulated(profile, layout: str, work, local_prefill_max_tokens: int) -> list:
     """Simulated (TTFT, TPOT) of every request of `work` in `layout` ("disaggregated": 1P+1D with
     local prefill up to `local_prefill_max_tokens`; "colocated": one engine), rounded."""
-    from cluster.planner.simulator import simulate
+    from pdserve.cluster.planner.simulator import simulate
 
     if layout == "colocated":
         return rounded(simulate(profile, work, 0, 1, True).requests())
@@ -205,7 +205,7 @@ def slo_name(slo) -> str:
 
 def parse_slos(text: str, percentile: float, option: str = "--also-slos") -> list:
     """"4:0.04,1:0.2" -> SLOs (TTFT seconds : TPOT seconds, at `percentile`)."""
-    from cluster.planner.search import SLO
+    from pdserve.cluster.planner.search import SLO
 
     try:
         return [SLO(float(t), float(p), percentile) for t, p in (pair.split(":") for pair in text.split(",") if pair)]
@@ -319,7 +319,7 @@ def observed_work(results: list[dict]):
     """The workload a chat run offered, as the router saw it: each turn's arrival, prompt and
     output lengths and the prompt tokens its prefix cache supplied (a closed-loop workload
     has no arrival times before it runs)."""
-    from cluster.planner.workload import SimRequest
+    from pdserve.cluster.planner.workload import SimRequest
 
     ok = sorted((r for r in results if r["error"] is None), key=lambda r: r["sent_s"])
     return [SimRequest(r["sent_s"] - ok[0]["sent_s"], r["prompt_tokens"], r["output_tokens"],
@@ -329,7 +329,7 @@ def observed_work(results: list[dict]):
 def step_errors(steps: list[dict], profile) -> dict:
     """Measured / predicted seconds of logged steps, by kind (prefill-only, decode-only,
     mixed): median and 10th/90th percentiles."""
-    from cluster.planner.calibrate import step_ratios
+    from pdserve.cluster.planner.calibrate import step_ratios
 
     return {kind: {"steps": len(r), "median_ratio": statistics.median(r),
                    "p10_ratio": sorted(r)[len(r) // 10], "p90_ratio": sorted(r)[len(r) * 9 // 10]}
@@ -341,8 +341,8 @@ def correction_path(profile, slo, runs: list[dict], local: int, rounds: int = 5)
     observing this point's workload (its runs one after another, each with its arrivals as
     they came, as the router records them) and its measured TTFT/TPOT percentiles (all runs
     pooled)."""
-    from cluster.autoscaler import Autoscaler
-    from engine.stats import percentile
+    from pdserve.cluster.autoscaler import Autoscaler
+    from pdserve.engine.stats import percentile
 
     ok = [r for run in runs for r in run["results"] if r["error"] is None and r["ttft_s"] is not None]
     works = [run["work"] for run in runs]
@@ -459,15 +459,15 @@ def main() -> None:
     args = parser.parse_args()
 
     from benchmarks.prefix_reuse import local_ray, workload_rows
-    from cluster.config import ServeConfig
-    from cluster.planner.calibrate import calibrate, speed_change, with_first_token_overhead
-    from cluster.planner.search import SLO, lengths_of, phase_curve
-    from cluster.planner.simulator import attainment
-    from cluster.planner.workload import load_trace, rescale
-    from engine.model_source import resolve_model
-    from engine.profile import Profile
-    from engine.step_log import ENV as STEP_LOG_ENV
-    from engine.step_log import read_step_logs
+    from pdserve.cluster.config import ServeConfig
+    from pdserve.cluster.planner.calibrate import calibrate, speed_change, with_first_token_overhead
+    from pdserve.cluster.planner.search import SLO, lengths_of, phase_curve
+    from pdserve.cluster.planner.simulator import attainment
+    from pdserve.cluster.planner.workload import load_trace, rescale
+    from pdserve.engine.model_source import resolve_model
+    from pdserve.engine.profile import Profile
+    from pdserve.engine.step_log import ENV as STEP_LOG_ENV
+    from pdserve.engine.step_log import read_step_logs
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     one_core, two_cores = RESULTS / "profile_1core.json", RESULTS / "profile_2cores.json"

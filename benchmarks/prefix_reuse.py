@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.report import panels, repo_relative, write  # noqa: E402
-from engine.stats import percentile  # noqa: E402
+from pdserve.engine.stats import percentile  # noqa: E402
 
 WORKLOADS = ROOT.parent / "shared" / "workloads"
 CONFIGS = {
@@ -149,7 +149,7 @@ def local_ray(num_cpus: int):
     """A Ray instance in this process for the benchmark's services."""
     import ray
 
-    from cluster.ray_cluster import init_private_cluster
+    from pdserve.cluster.ray_cluster import init_private_cluster
 
     init_private_cluster(num_cpus)
     try:
@@ -163,8 +163,8 @@ def service(settings: dict):
     """A `pdserve up` of `settings` (dotted config keys) on the local Ray; yields its URL."""
     import ray
 
-    from cluster.config import load_config
-    from cluster.controller import create_controller
+    from pdserve.cluster.config import load_config
+    from pdserve.cluster.controller import create_controller
 
     controller = create_controller(load_config(None, settings))
     try:

@@ -58,11 +58,11 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    from cluster.planner.profiler import time_cached_step
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.model_source import resolve_model
-    from engine.profile import Profile
+    from pdserve.cluster.planner.profiler import time_cached_step
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.model_source import resolve_model
+    from pdserve.engine.profile import Profile
 
     profile = Profile.load(args.profile)
     engine = LLMEngine(EngineConfig(model=str(resolve_model(args.model))))

@@ -38,7 +38,7 @@ def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
     and the engine's own product on a packed weight (engine.model.linear), since either
     library may be the slow one on a given CPU (MKL's fp32 ran at 40% of oneDNN's on an
     AMD EPYC)."""
-    from engine.model.linear import linear, pack
+    from pdserve.engine.model.linear import linear, pack
 
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     packed = pack(b)

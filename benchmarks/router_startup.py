@@ -1,4 +1,4 @@
-"""Router start-up time and memory: `python -m router` from launch until it answers HTTP.
+"""Router start-up time and memory: `python -m pdserve.router` from launch until it answers HTTP.
 
 Starts a bare router (its decode worker address points nowhere, so only the router's own
 start-up is measured: model resolution, tokenizer, FastAPI, uvicorn), polls `/health`
@@ -48,12 +48,27 @@ def _maps_torch(pid: int) -> bool:
     return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
 
 
-def one_round(tree: Path, model: str, timeout_s: float = 120.0) -> dict:
+def importable(tree: Path, shim: Path) -> tuple[str, str]:
+    """(PYTHONPATH, router module) that run `tree`'s router rather than the installed one. Trees
+    since the one namespace install each directory as pdserve.<dir> (setup.py): `shim` gets a
+    `pdserve/` of links to them. Older trees imported their directories by their own names."""
+    if not (tree / "setup.py").exists():
+        return str(tree), "router"
+    (shim / "pdserve").mkdir(parents=True, exist_ok=True)
+    for package in tree.iterdir():
+        link = shim / "pdserve" / package.name
+        if (package / "__init__.py").exists() and not link.exists():
+            link.symlink_to(package)
+    return str(shim), "pdserve.router"
+
+
+def one_round(tree: Path, model: str, shim: Path, timeout_s: float = 120.0) -> dict:
     port = _free_port()
     started = time.perf_counter()
-    env = {**os.environ, "PDSERVE_LOG_LEVEL": "WARNING", "PYTHONPATH": str(tree),
+    path, module = importable(tree, shim)
+    env = {**os.environ, "PDSERVE_LOG_LEVEL": "WARNING", "PYTHONPATH": path,
            "PDSERVE_CLUSTER_TOKEN": "router-startup-benchmark-token"}
-    proc = subprocess.Popen([sys.executable, "-m", "router", "--model", model, "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", module, "--model", model, "--port", str(port),
                              "--decode", "127.0.0.1:1"], cwd=tree, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, env=env)
     try:
@@ -94,7 +109,7 @@ def main() -> None:
             rounds: dict[str, list] = {name: [] for name in trees}
             for _ in range(args.rounds):
                 for name, tree in trees.items():
-                    rounds[name].append(one_round(tree, args.model))
+                    rounds[name].append(one_round(tree, args.model, Path(tmp) / f"shim-{list(trees).index(name)}"))
         finally:
             if args.compare_ref:
                 subprocess.run(["git", "worktree", "remove", "--force", f"{tmp}/ref"], cwd=ROOT, check=False)

@@ -57,9 +57,9 @@ def attainment(results: list[dict], ttft_slo: float, tpot_slo: float) -> tuple[i
 
 def predict(name: str, results: list[dict], profile_path: Path, ttft_slo: float, tpot_slo: float) -> dict:
     """The planner's simulator on the request stream this configuration actually saw."""
-    from cluster.planner.simulator import simulate
-    from cluster.planner.workload import SimRequest
-    from engine.profile import Profile
+    from pdserve.cluster.planner.simulator import simulate
+    from pdserve.cluster.planner.workload import SimRequest
+    from pdserve.engine.profile import Profile
 
     done = sorted((r for r in results if "error" not in r), key=lambda r: r["sent_s"])
     work = [SimRequest(r["sent_s"], r["prompt_tokens"], max(1, r["output_tokens"]), r["cached_tokens"])

@@ -224,8 +224,8 @@ def main() -> None:
 
     import ray
 
-    from cluster.config import load_config
-    from cluster.controller import create_controller
+    from pdserve.cluster.config import load_config
+    from pdserve.cluster.controller import create_controller
 
     with local_ray(num_cpus=2):
         controller = create_controller(load_config(None, {"router.port": args.port, **SETTINGS}))

@@ -40,7 +40,7 @@ def build_app(events: int):
     from fastapi.responses import StreamingResponse
     from fastapi.sse import EventSourceResponse, ServerSentEvent
 
-    from router import protocol
+    from pdserve.router import protocol
 
     app = FastAPI()
 

@@ -29,7 +29,7 @@ def kind(prefill_tokens: int, decode_rows: int) -> str:
 
 def split(model: str, dtype: str, requests: list[dict]) -> dict:
     """One timed pass of `requests`: per step kind, steps, seconds, forward seconds, rows."""
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     llm = LLM(model, dtype=dtype, enable_prefix_caching=False)
     engine, forward_of = llm.engine, llm.engine.loaded.model

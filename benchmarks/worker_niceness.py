@@ -54,13 +54,13 @@ def main() -> None:
 
     import ray
 
-    from cluster.config import ServeConfig
-    from cluster.planner.calibrate import calibrate, total_ratios
-    from cluster.planner.search import SLO, lengths_of, phase_curve
-    from cluster.planner.workload import load_trace, rescale
-    from cluster.ray_cluster import init_private_cluster
-    from engine.profile import Profile
-    from engine.step_log import ENV, read_step_logs
+    from pdserve.cluster.config import ServeConfig
+    from pdserve.cluster.planner.calibrate import calibrate, total_ratios
+    from pdserve.cluster.planner.search import SLO, lengths_of, phase_curve
+    from pdserve.cluster.planner.workload import load_trace, rescale
+    from pdserve.cluster.ray_cluster import init_private_cluster
+    from pdserve.engine.profile import Profile
+    from pdserve.engine.step_log import ENV, read_step_logs
 
     engine_only = {"disaggregated": Profile.load(RESULTS / "profile_1core.json"),
                    "colocated": Profile.load(RESULTS / "profile_2cores.json")}

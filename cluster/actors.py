@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 import os
 
-from protos import tracing
-from protos.convert import message_dict
+from pdserve.protos.convert import message_dict
+from pdserve.rpc import tracing
 
 
 def _pin_threads(cpu_affinity: list[int] | None) -> int:
@@ -40,7 +40,7 @@ class WorkerActor:
     """One prefill or decode worker."""
 
     def __init__(self, role: str) -> None:
-        from engine.logs import setup_logging
+        from pdserve.engine.logs import setup_logging
 
         setup_logging(role)
         self.role = role
@@ -50,20 +50,20 @@ class WorkerActor:
         self._info: dict = {}  # what start() returned: a restarted controller adopts us from it
 
     async def start(self, engine_kwargs: dict, worker_kwargs: dict, cpu_affinity: list[int] | None = None) -> dict:
-        from engine.config import EngineConfig
-        from engine.dtypes import dtype_name
-        from engine.llm_engine import LLMEngine
-        from worker_base.config import WorkerConfig
-        from worker_base.server import start_service
+        from pdserve.engine.config import EngineConfig
+        from pdserve.engine.dtypes import dtype_name
+        from pdserve.engine.llm_engine import LLMEngine
+        from pdserve.worker_base.config import WorkerConfig
+        from pdserve.worker_base.server import start_service
 
         num_threads = _pin_threads(cpu_affinity)
         node_ip, node_id = _node()
         config = WorkerConfig(**{"host": node_ip, **worker_kwargs})
         engine = await asyncio.to_thread(LLMEngine, EngineConfig.from_kwargs(**engine_kwargs))
         if self.role == "prefill":
-            from prefill_worker.service import PrefillService as make_service
+            from pdserve.prefill_worker.service import PrefillService as make_service
         else:
-            from decode_worker.service import DecodeService as make_service
+            from pdserve.decode_worker.service import DecodeService as make_service
         self.service, self.server, self.address = await start_service(engine, config, make_service)
         self._info = {"role": self.role, "address": self.address, "worker_id": config.worker_id, "pid": os.getpid(),
                       "dtype": dtype_name(engine.loaded.model.dtype), "num_threads": num_threads,
@@ -82,12 +82,12 @@ class WorkerActor:
         if self.service is None:
             return False
         if self._probe is None:
-            from protos.channel import open_channel
-            from protos.pdserve_pb2_grpc import DecodeWorkerStub, PrefillWorkerStub
+            from pdserve.protos.pdserve_pb2_grpc import DecodeWorkerStub, PrefillWorkerStub
+            from pdserve.rpc.channel import open_channel
 
             channel = open_channel(self.address, self.service.config.security)
             self._probe = channel, (PrefillWorkerStub if self.role == "prefill" else DecodeWorkerStub)(channel)
-        from protos import pdserve_pb2 as pb
+        from pdserve.protos import pdserve_pb2 as pb
 
         try:
             await self._probe[1].Stats(pb.StatsRequest(), timeout=3)
@@ -114,7 +114,7 @@ class RouterActor:
     """The router, reading pool membership from the controller."""
 
     def __init__(self) -> None:
-        from engine.logs import setup_logging
+        from pdserve.engine.logs import setup_logging
 
         setup_logging("router")
         self.server = None
@@ -125,8 +125,8 @@ class RouterActor:
     async def start(self, router_kwargs: dict, controller_name: str, namespace: str) -> str:
         import ray
 
-        from router.app import RouterConfig
-        from router.server import make_server
+        from pdserve.router.app import RouterConfig
+        from pdserve.router.server import make_server
 
         controller = ray.get_actor(controller_name, namespace=namespace)
 

@@ -18,10 +18,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cluster.planner.search import SLO, phase_curve
-from cluster.planner.simulator import simulate
-from cluster.planner.workload import SimRequest, poisson
-from engine.profile import Profile
+from pdserve.cluster.planner.search import SLO, phase_curve
+from pdserve.cluster.planner.simulator import simulate
+from pdserve.cluster.planner.workload import SimRequest, poisson
+from pdserve.engine.profile import Profile
 
 ROLES = ("prefill", "decode")
 

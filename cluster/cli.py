@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from engine.arg_utils import add_engine_args
+    from pdserve.engine.arg_utils import add_engine_args
 
     parser = argparse.ArgumentParser(
         prog="pdserve",
@@ -40,19 +40,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
-    from cluster import cli_service
+    from pdserve.cluster import cli_service
 
     cli_service.add_commands(sub)
-    from cluster import cli_planner
+    from pdserve.cluster import cli_planner
 
     cli_planner.add_commands(sub)
     return parser
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from engine import LLMEngine, SamplingParams
-    from engine.arg_utils import engine_config_from_args
-    from engine.tokenizer import apply_chat_template
+    from pdserve.engine import LLMEngine, SamplingParams
+    from pdserve.engine.arg_utils import engine_config_from_args
+    from pdserve.engine.tokenizer import apply_chat_template
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.sample_seed,

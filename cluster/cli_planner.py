@@ -11,7 +11,7 @@ DEFAULT_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "work
 
 
 def add_commands(sub) -> None:
-    from engine.arg_utils import add_engine_args
+    from pdserve.engine.arg_utils import add_engine_args
 
     prof = sub.add_parser("profile", help="measure prefill/decode step times and KV bandwidth here",
                           description="Run the real engine on this machine and fit the latency models "
@@ -75,8 +75,8 @@ def _seconds(text: str) -> float:
 
 
 def _profile(args) -> int:
-    from cluster.planner.profiler import profile_engine
-    from engine.arg_utils import engine_config_from_args
+    from pdserve.cluster.planner.profiler import profile_engine
+    from pdserve.engine.arg_utils import engine_config_from_args
 
     profile = profile_engine(engine_config_from_args(args), args.repeats,
                              progress=lambda m: print(m, file=sys.stderr, flush=True))
@@ -88,9 +88,9 @@ def _profile(args) -> int:
 def _calibrate(args) -> int:
     from dataclasses import replace
 
-    from cluster.planner.calibrate import calibrate
-    from engine.profile import Profile
-    from engine.step_log import read_step_logs
+    from pdserve.cluster.planner.calibrate import calibrate
+    from pdserve.engine.profile import Profile
+    from pdserve.engine.step_log import read_step_logs
 
     profile = Profile.load(args.profile)
     steps = read_step_logs(args.step_log, args.name)
@@ -122,9 +122,9 @@ def _calibrate(args) -> int:
 
 
 def _plan(args) -> int:
-    from cluster.planner.search import SLO, make_plan
-    from cluster.planner.workload import hit_rate, load_trace, trace_rate, with_hit_rate
-    from engine.profile import Profile
+    from pdserve.cluster.planner.search import SLO, make_plan
+    from pdserve.cluster.planner.workload import hit_rate, load_trace, trace_rate, with_hit_rate
+    from pdserve.engine.profile import Profile
 
     profile = Profile.load(args.profile)
     trace = load_trace(args.trace or DEFAULT_TRACE)
@@ -162,8 +162,8 @@ def plot_attainment(profile, slo, trace, plan, path: str, local_prefill_max_toke
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from cluster.planner.search import lengths_of, predict
-    from cluster.planner.workload import poisson
+    from pdserve.cluster.planner.search import lengths_of, predict
+    from pdserve.cluster.planner.workload import poisson
 
     rates = [plan.rate * f for f in (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0)]
     lengths = lengths_of(trace)

@@ -76,7 +76,7 @@ def add_commands(sub) -> None:
 def _overrides(args) -> dict:
     out = {}
     if getattr(args, "plan", None):
-        from cluster.cli_planner import replicas_from_plan
+        from pdserve.cluster.cli_planner import replicas_from_plan
 
         out.update(replicas_from_plan(args.plan))
     for key, value in (("model", args.model), ("router.host", args.host), ("router.port", args.port),
@@ -95,8 +95,8 @@ def _overrides(args) -> dict:
 
 
 def _up(args) -> int:
-    from cluster.config import load_config
-    from cluster.ray_cluster import auth_enabled, connect
+    from pdserve.cluster.config import load_config
+    from pdserve.cluster.ray_cluster import auth_enabled, connect
 
     config = load_config(args.config, _overrides(args))
     needed = sum(config.pool(r).num_cpus * config.pool(r).replicas for r in ("prefill", "decode"))
@@ -104,7 +104,7 @@ def _up(args) -> int:
                         num_cpus=max(os.cpu_count() or 1, int(needed * 2 + 0.999)))
     import ray
 
-    from cluster.controller import controller_handle, create_controller
+    from pdserve.cluster.controller import controller_handle, create_controller
 
     try:
         controller_handle()
@@ -169,7 +169,7 @@ def _wait_until_stopped_or_gone(stop: threading.Event, local_ray, check_every_s:
 def _ask_controller(timeout_s: float) -> str:
     """"up", "gone" or "no answer": whether the controller is registered. Ray calls block
     while the GCS is unreachable, so the question runs on a daemon thread with a deadline."""
-    from cluster.controller import controller_handle
+    from pdserve.cluster.controller import controller_handle
 
     answer = ["no answer"]
 
@@ -192,7 +192,7 @@ def _teardown(controller, local_ray) -> None:
     """Stop the service, then the local Ray this process started (if it did), nothing else."""
     import ray
 
-    from cluster.controller import kill_service_actors
+    from pdserve.cluster.controller import kill_service_actors
 
     try:
         ray.get(controller.shutdown.remote(), timeout=60)
@@ -214,10 +214,10 @@ def _root_cause(exc: BaseException) -> str:
 
 
 def _controller(address):
-    from cluster.ray_cluster import connect
+    from pdserve.cluster.ray_cluster import connect
 
     connect(address)
-    from cluster.controller import controller_handle
+    from pdserve.cluster.controller import controller_handle
 
     try:
         return controller_handle()
@@ -338,7 +338,7 @@ def print_status(status: dict) -> None:
 
 def _scale(args) -> int:
     if args.plan:
-        from cluster.cli_planner import replicas_from_plan
+        from pdserve.cluster.cli_planner import replicas_from_plan
 
         sizes = replicas_from_plan(args.plan)
         args.prefill, args.decode = sizes["prefill.replicas"], sizes["decode.replicas"]
@@ -356,7 +356,7 @@ def _scale(args) -> int:
 
 
 def _down(args) -> int:
-    from cluster.ray_cluster import stop_recorded_local_ray
+    from pdserve.cluster.ray_cluster import stop_recorded_local_ray
 
     try:
         controller = _controller(args.address)
@@ -366,7 +366,7 @@ def _down(args) -> int:
         return 0
     import ray
 
-    from cluster.controller import kill_service_actors
+    from pdserve.cluster.controller import kill_service_actors
 
     try:
         ray.get(controller.shutdown.remote(), timeout=60)
@@ -381,6 +381,6 @@ def _down(args) -> int:
 
 def _ray(args) -> int:
     """Ray's own CLI against the local pdserve cluster (address, token auth, loopback node)."""
-    from cluster.ray_cluster import ray_cli_env, ray_executable
+    from pdserve.cluster.ray_cluster import ray_cli_env, ray_executable
 
     return subprocess.run([ray_executable(), *args.ray_args], env=ray_cli_env()).returncode

@@ -14,9 +14,9 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from engine.config import DEFAULT_MODEL, EngineConfig
-from protos.security import TOKEN_ENV, Security, new_token, resolve_token
-from router.policies import CacheAwareWeights
+from pdserve.engine.config import DEFAULT_MODEL, EngineConfig
+from pdserve.router.policies import CacheAwareWeights
+from pdserve.rpc.security import TOKEN_ENV, Security, new_token, resolve_token
 
 
 class PoolSpec(BaseModel):

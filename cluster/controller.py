@@ -31,12 +31,12 @@ from collections import deque
 
 import ray
 
-from cluster.actors import RouterActor, WorkerActor
-from cluster.config import ServeConfig
-from cluster.recovery import NAMESPACE, ROLES, ROUTER_NAME, WORKER_PREFIX, Recovery, WorkerRecord
-from engine.logs import setup_logging
-from router.auth import api_keys_from
-from router.policies import CacheAwareWeights
+from pdserve.cluster.actors import RouterActor, WorkerActor
+from pdserve.cluster.config import ServeConfig
+from pdserve.cluster.recovery import NAMESPACE, ROLES, ROUTER_NAME, WORKER_PREFIX, Recovery, WorkerRecord
+from pdserve.engine.logs import setup_logging
+from pdserve.router.auth import api_keys_from
+from pdserve.router.policies import CacheAwareWeights
 
 logger = logging.getLogger(__name__)
 CONTROLLER_NAME = "pdserve-controller"
@@ -230,9 +230,9 @@ class Controller(Recovery):
         spec = self.config.autoscaler
         if not spec.enabled:
             return None
-        from cluster.autoscaler import Autoscaler
-        from cluster.planner.search import SLO
-        from engine.profile import Profile
+        from pdserve.cluster.autoscaler import Autoscaler
+        from pdserve.cluster.planner.search import SLO
+        from pdserve.engine.profile import Profile
 
         bounds = {role: (max(self.config.pool(role).min_replicas, 1 if role == "decode" else 0),
                          self.config.pool(role).max_replicas) for role in ROLES}

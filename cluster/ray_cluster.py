@@ -32,7 +32,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from engine.model_source import cache_dir
+from pdserve.engine.model_source import cache_dir
 
 logger = logging.getLogger(__name__)
 NAMESPACE = "pdserve"

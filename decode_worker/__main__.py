@@ -1,9 +1,9 @@
-"""`python -m decode_worker --help`: run a decode worker's gRPC server."""
+"""`python -m pdserve.decode_worker --help`: run a decode worker's gRPC server."""
 
 import sys
 
-from decode_worker.service import DecodeService
-from worker_base.server import run_worker
+from pdserve.decode_worker.service import DecodeService
+from pdserve.worker_base.server import run_worker
 
 if __name__ == "__main__":
     sys.exit(run_worker("decode", None, DecodeService))

@@ -19,15 +19,15 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine.outputs import TokenLogprob
-from kv_transfer.base import thread_safe_notifier
-from kv_transfer.layout import KVLayout
-from kv_transfer.reservations import TransferError
-from protos import pdserve_pb2 as pb
-from protos import pdserve_pb2_grpc as pb_grpc
-from protos import tracing
-from protos.channel import open_channel
-from protos.convert import logprob_from_proto, sampling_to_proto
+from pdserve.engine.outputs import TokenLogprob
+from pdserve.kv_transfer.base import thread_safe_notifier
+from pdserve.kv_transfer.layout import KVLayout
+from pdserve.kv_transfer.reservations import TransferError
+from pdserve.protos import pdserve_pb2 as pb
+from pdserve.protos import pdserve_pb2_grpc as pb_grpc
+from pdserve.protos.convert import logprob_from_proto, sampling_to_proto
+from pdserve.rpc import tracing
+from pdserve.rpc.channel import open_channel
 
 
 @dataclass(frozen=True)

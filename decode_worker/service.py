@@ -26,20 +26,20 @@ from collections import deque
 
 import grpc
 
-from decode_worker.prefill_client import PrefillClient
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.profile import Profile, prefill_seconds
-from engine.sampling_params import SamplingParams
-from kv_transfer.base import check_transport_name
-from kv_transfer.reservations import ReservationTable
-from protos import pdserve_pb2 as pb
-from protos import pdserve_pb2_grpc as pb_grpc
-from protos import tracing
-from protos.convert import logprob_to_proto, sampling_from_proto
-from worker_base.config import WorkerConfig
-from worker_base.service import WorkerServiceBase
-from worker_base.telemetry import failure_reason
+from pdserve.decode_worker.prefill_client import PrefillClient
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.profile import Profile, prefill_seconds
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer.base import check_transport_name
+from pdserve.kv_transfer.reservations import ReservationTable
+from pdserve.protos import pdserve_pb2 as pb
+from pdserve.protos import pdserve_pb2_grpc as pb_grpc
+from pdserve.protos.convert import logprob_to_proto, sampling_from_proto
+from pdserve.rpc import tracing
+from pdserve.worker_base.config import WorkerConfig
+from pdserve.worker_base.service import WorkerServiceBase
+from pdserve.worker_base.telemetry import failure_reason
 
 logger = logging.getLogger(__name__)
 

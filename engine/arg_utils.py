@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from engine.config import EngineConfig
+from pdserve.engine.config import EngineConfig
 
 _HELP = {
     "model": "model name, local HF checkpoint dir, .gguf file, or cached hub id "

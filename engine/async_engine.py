@@ -14,10 +14,10 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.stats import Histogram
-from engine.step_log import StepLog
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.stats import Histogram
+from pdserve.engine.step_log import StepLog
 
 logger = logging.getLogger(__name__)
 Listener = Callable[[RequestOutput], None]

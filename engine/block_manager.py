@@ -25,8 +25,8 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
-from engine.block_hash import block_hash
-from engine.cache_events import CacheDelta, CacheEventLog
+from pdserve.engine.block_hash import block_hash
+from pdserve.engine.cache_events import CacheDelta, CacheEventLog
 
 
 class BlockManager:

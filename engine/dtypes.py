@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import DTYPE_NAMES
+from pdserve.engine.config import DTYPE_NAMES
 
 TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
 _NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}

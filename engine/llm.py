@@ -6,11 +6,11 @@ import itertools
 
 from tqdm.auto import tqdm
 
-from engine.config import DEFAULT_MODEL, EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import apply_chat_template
+from pdserve.engine.config import DEFAULT_MODEL, EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenizer import apply_chat_template
 
 Prompt = str | list[int] | dict
 

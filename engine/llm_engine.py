@@ -5,19 +5,19 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from engine.block_hash import root_hash
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
-from engine.guided import GuideFactory
-from engine.loader import load_model, num_kv_blocks
-from engine.model_runner import ModelRunner
-from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.step_log import StepShape
-from engine.tokenizer import check_prompt_length, check_token_ids, encode_prompt
+from pdserve.engine.block_hash import root_hash
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.guided import GuideFactory
+from pdserve.engine.loader import load_model, num_kv_blocks
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.engine.step_log import StepShape
+from pdserve.engine.tokenizer import check_prompt_length, check_token_ids, encode_prompt
 
 
 @dataclass

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig, default_cpu_kv_cache_bytes
-from engine.cpu import native_bf16_flags
-from engine.dtypes import TORCH_DTYPES, dtype_name
-from engine.model.llama import CausalLM, ModelShape
-from engine.model.weights import CheckpointReader
-from engine.model_source import check_architecture, resolve_model
-from engine.tokenizer import load_tokenizer
+from pdserve.engine.config import EngineConfig, default_cpu_kv_cache_bytes
+from pdserve.engine.cpu import native_bf16_flags
+from pdserve.engine.dtypes import TORCH_DTYPES, dtype_name
+from pdserve.engine.model.llama import CausalLM, ModelShape
+from pdserve.engine.model.weights import CheckpointReader
+from pdserve.engine.model_source import check_architecture, resolve_model
+from pdserve.engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     device, dtype = resolve_device_dtype(config)
     max_model_len = resolve_max_model_len(config, hf_config)
     if device.type == "cpu":
-        from engine.model.kernels import cpu_kernels
+        from pdserve.engine.model.kernels import cpu_kernels
 
         cpu_kernels()  # built (once) at load, so no request waits for the compiler
     reader = CheckpointReader(model_dir, dtype, device)

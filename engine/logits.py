@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.request import TokenHistory
-from engine.sampling_params import SamplingParams
+from pdserve.engine.request import TokenHistory
+from pdserve.engine.sampling_params import SamplingParams
 
 
 def adjust_logits(row: torch.Tensor, params: SamplingParams, history: TokenHistory) -> torch.Tensor:

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.model.attention import AttentionMetadata, PrefillSpan
-from engine.model.llama import CausalLM
-from engine.outputs import TokenLogprob
-from engine.sampler import sample_with_logprobs, token_logprobs
-from engine.scheduler import ScheduledChunk, SchedulerOutput
+from pdserve.engine.model.attention import AttentionMetadata, PrefillSpan
+from pdserve.engine.model.llama import CausalLM
+from pdserve.engine.outputs import TokenLogprob
+from pdserve.engine.sampler import sample_with_logprobs, token_logprobs
+from pdserve.engine.scheduler import ScheduledChunk, SchedulerOutput
 
 KVHook = Callable[[str, int, int, torch.Tensor, torch.Tensor], None]
 _SCORE_ROWS = 256  # prompt rows scored at once (prompt logprobs)

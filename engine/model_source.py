@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from engine.config import DEFAULT_MODEL
+from pdserve.engine.config import DEFAULT_MODEL
 
 logger = logging.getLogger(__name__)
 

@@ -18,11 +18,11 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.outputs import TokenLogprob
-from engine.sampling_params import SamplingParams
+from pdserve.engine.outputs import TokenLogprob
+from pdserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.guided import Guide
+    from pdserve.engine.guided import Guide
 
 
 class RequestStatus(enum.Enum):

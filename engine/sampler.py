@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import torch
 
-from engine.guided import Guide
-from engine.logits import adjust_logits
-from engine.outputs import TokenLogprob
-from engine.request import TokenHistory
-from engine.sampling_params import SamplingParams
+from pdserve.engine.guided import Guide
+from pdserve.engine.logits import adjust_logits
+from pdserve.engine.outputs import TokenLogprob
+from pdserve.engine.request import TokenHistory
+from pdserve.engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

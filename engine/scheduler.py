@@ -20,12 +20,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.block_manager import BlockManager
-from engine.request import Request, RequestStatus, TokenHistory
-from engine.sampling_params import SamplingParams
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.request import Request, RequestStatus, TokenHistory
+from pdserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.guided import Guide
+    from pdserve.engine.guided import Guide
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from kv_transfer.base import KVSender
-from kv_transfer.layout import KVLayout
-from kv_transfer.reservations import TransferError
+from pdserve.kv_transfer.base import KVSender
+from pdserve.kv_transfer.layout import KVLayout
+from pdserve.kv_transfer.reservations import TransferError
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 _END = object()

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from engine.dtypes import TORCH_DTYPES, dtype_name
+from pdserve.engine.dtypes import TORCH_DTYPES, dtype_name
 
 
 @dataclass(frozen=True)

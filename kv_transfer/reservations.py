@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kv_transfer.layout import KVLayout, as_numpy, host_scatter
+from pdserve.kv_transfer.layout import KVLayout, as_numpy, host_scatter
 
 
 class TransferError(Exception):

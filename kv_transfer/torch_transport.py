@@ -59,9 +59,9 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from kv_transfer.base import KVSender, KVTransportError, thread_safe_notifier
-from kv_transfer.layout import KVLayout, host_copy
-from kv_transfer.reservations import ReservationTable, TransferError
+from pdserve.kv_transfer.base import KVSender, KVTransportError, thread_safe_notifier
+from pdserve.kv_transfer.layout import KVLayout, host_copy
+from pdserve.kv_transfer.reservations import ReservationTable, TransferError
 
 logger = logging.getLogger(__name__)
 _HEADER_LEN = 5

@@ -30,17 +30,17 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from engine.llm_engine import LLMEngine
-from kv_transfer.base import KVSender, check_transport_name
-from kv_transfer.grpc_transport import GrpcStreamSender
-from kv_transfer.layout import KVLayout
-from protos import pdserve_pb2 as pb
-from protos import pdserve_pb2_grpc as pb_grpc
-from protos import tracing
-from protos.convert import logprob_to_proto, sampling_from_proto
-from worker_base.config import WorkerConfig
-from worker_base.service import WorkerServiceBase
-from worker_base.telemetry import Stopwatch
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.kv_transfer.base import KVSender, check_transport_name
+from pdserve.kv_transfer.grpc_transport import GrpcStreamSender
+from pdserve.kv_transfer.layout import KVLayout
+from pdserve.protos import pdserve_pb2 as pb
+from pdserve.protos import pdserve_pb2_grpc as pb_grpc
+from pdserve.protos.convert import logprob_to_proto, sampling_from_proto
+from pdserve.rpc import tracing
+from pdserve.worker_base.config import WorkerConfig
+from pdserve.worker_base.service import WorkerServiceBase
+from pdserve.worker_base.telemetry import Stopwatch
 
 logger = logging.getLogger(__name__)
 

@@ -4,6 +4,6 @@ The generated modules are committed (regenerate with `make protos`; protos/build
 how, and the test suite checks they match the .proto). Importing this package only imports.
 """
 
-from protos import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.protos import pdserve_pb2, pdserve_pb2_grpc
 
 __all__ = ["pdserve_pb2", "pdserve_pb2_grpc"]

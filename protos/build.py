@@ -13,6 +13,7 @@ whatever protoc is installed and compares the descriptor with the committed modu
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -24,10 +25,15 @@ GENERATOR_PIN = "1.75.1"
 
 
 def _protoc(out_dir: Path, *outputs: str) -> None:
+    """Compile PROTO as `pdserve/protos/pdserve.proto`, the path of its installed module, so the
+    generated code imports `pdserve.protos.pdserve_pb2`; outputs go under out_dir/pdserve/protos."""
     from grpc_tools import protoc
 
     include = Path(protoc.__file__).parent / "_proto"
-    args = ["protoc", f"-I{HERE.parent}", f"-I{include}", *outputs, str(PROTO)]
+    staged = out_dir / "pdserve" / "protos" / PROTO.name
+    staged.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(PROTO, staged)
+    args = ["protoc", f"-I{out_dir}", f"-I{include}", *outputs, str(staged)]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed on {PROTO}")
 
@@ -55,7 +61,7 @@ def committed_descriptor() -> bytes:
     """The descriptor the committed pdserve_pb2 module was generated from."""
     from google.protobuf import descriptor_pb2
 
-    from protos import pdserve_pb2
+    from pdserve.protos import pdserve_pb2
 
     file = descriptor_pb2.FileDescriptorProto.FromString(pdserve_pb2.DESCRIPTOR.serialized_pb)
     return file.SerializeToString(deterministic=True)
@@ -76,7 +82,7 @@ def generate() -> None:
     with tempfile.TemporaryDirectory(dir=HERE) as tmp:
         _protoc(Path(tmp), f"--python_out={tmp}", f"--pyi_out={tmp}", f"--grpc_python_out={tmp}")
         for name in OUTPUTS:
-            os.replace(Path(tmp) / "protos" / name, HERE / name)
+            os.replace(Path(tmp) / "pdserve" / "protos" / name, HERE / name)
 
 
 def main(argv: list[str]) -> int:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from engine.outputs import TokenLogprob
-from engine.sampling_params import SamplingParams
-from protos import pdserve_pb2 as pb
+from pdserve.engine.outputs import TokenLogprob
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protos import pdserve_pb2 as pb
 
 
 def sampling_from_proto(message: pb.SamplingOptions) -> SamplingParams:

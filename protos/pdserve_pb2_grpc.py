@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import pdserve_pb2 as protos_dot_pdserve__pb2
+from pdserve.protos import pdserve_pb2 as pdserve_dot_protos_dot_pdserve__pb2
 
 GRPC_GENERATED_VERSION = '1.75.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + f' but the generated code in protos/pdserve_pb2_grpc.py depends on'
+        + f' but the generated code in pdserve/protos/pdserve_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,28 +36,28 @@ class DecodeWorkerStub(object):
         """
         self.Info = channel.unary_unary(
                 '/pdserve.DecodeWorker/Info',
-                request_serializer=protos_dot_pdserve__pb2.InfoRequest.SerializeToString,
-                response_deserializer=protos_dot_pdserve__pb2.WorkerInfo.FromString,
+                request_serializer=pdserve_dot_protos_dot_pdserve__pb2.InfoRequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_pdserve__pb2.WorkerInfo.FromString,
                 _registered_method=True)
         self.Generate = channel.unary_stream(
                 '/pdserve.DecodeWorker/Generate',
-                request_serializer=protos_dot_pdserve__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=protos_dot_pdserve__pb2.GenerateChunk.FromString,
+                request_serializer=pdserve_dot_protos_dot_pdserve__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_pdserve__pb2.GenerateChunk.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.DecodeWorker/Abort',
-                request_serializer=protos_dot_pdserve__pb2.AbortRequest.SerializeToString,
-                response_deserializer=protos_dot_pdserve__pb2.AbortReply.FromString,
+                request_serializer=pdserve_dot_protos_dot_pdserve__pb2.AbortRequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_pdserve__pb2.AbortReply.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/pdserve.DecodeWorker/Stats',
-                request_serializer=protos_dot_pdserve__pb2.StatsRequest.SerializeToString,
-                response_deserializer=protos_dot_pdserve__pb2.WorkerStats.FromString,
+                request_serializer=pdserve_dot_protos_dot_pdserve__pb2.StatsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_pdserve__pb2.WorkerStats.FromString,
                 _registered_method=True)
         self.CacheEvents = channel.unary_unary(
                 '/pdserve.DecodeWorker/CacheEvents',
-                request_serializer=protos_dot_pdserve__pb2.CacheEventsRequest.SerializeToString,
-                response_deserializer=protos_dot_pdserve__pb2.CacheEventsReply.FromString,
+                request_serializer=pdserve_dot_protos_dot_pdserve__pb2.CacheEventsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_pdserve__pb2.CacheEventsReply.FromString,
                 _registered_method=True)
 
 
@@ -99,28 +99,28 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
-                    request_deserializer=protos_dot_pdserve__pb2.InfoRequest.FromString,
-                    response_serializer=protos_dot_pdserve__pb2.WorkerInfo.SerializeToString,
+                    request_deserializer=pdserve_dot_protos_dot_pdserve__pb2.InfoRequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_pdserve__pb2.WorkerInfo.SerializeToString,
             ),
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=protos_dot_pdserve__pb2.GenerateRequest.FromString,
-                    response_serializer=protos_dot_pdserve__pb2.GenerateChunk.SerializeToString,
+                    request_deserializer=pdserve_dot_protos_dot_pdserve__pb2.GenerateRequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_pdserve__pb2.GenerateChunk.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=protos_dot_pdserve__pb2.AbortRequest.FromString,
-                    response_serializer=protos_dot_pdserve__pb2.AbortReply.SerializeToString,
+                    request_deserializer=pdserve_dot_protos_dot_pdserve__pb2.AbortRequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_pdserve__pb2.AbortReply.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=protos_dot_pdserve__pb2.StatsRequest.FromString,
-                    response_serializer=protos_dot_pdserve__pb2.WorkerStats.SerializeToString,
+                    request_deserializer=pdserve_dot_protos_dot_pdserve__pb2.StatsRequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_pdserve__pb2.WorkerStats.SerializeToString,
             ),
             'CacheEvents': grpc.unary_unary_rpc_method_handler(
                     servicer.CacheEvents,
-                    request_deserializer=protos_dot_pdserve__pb2.CacheEventsRequest.FromString,
-                    response_serializer=protos_dot_pdserve__pb2.CacheEventsReply.SerializeToString,
+                    request_deserializer=pdserve_dot_protos_dot_pdserve__pb2.CacheEventsRequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_pdserve__pb2.CacheEventsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -148,8 +148,8 @@ class DecodeWorker(object):
             request,
             target,
             '/pdserve.DecodeWorker/Info',
-            protos_dot_pdserve__pb2.InfoRequest.SerializeToString,
-            protos_dot_pdserve__pb2.WorkerInfo.FromString,
+            pdserve_dot_protos_dot_pdserve__pb2.InfoRequest.SerializeToString,
+            pdserve_dot_protos_dot_pdserve__pb2.WorkerInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -175,8 +175,8 @@ class DecodeWorker(object):
             request,
             target,
             '/pdserve.DecodeWorker/Generate',
-            protos_dot_pdserve__pb2.GenerateRequest.SerializeToString,
-            protos_dot_pdserve__pb2.GenerateChunk.FromString,
+            pdserve_dot_protos_dot_pdserve__pb2.GenerateRequest.SerializeToString,
+            pdserve_dot_protos_dot_pdserve__pb2.GenerateChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -202,8 +202,8 @@ class DecodeWorker(object):
             request,
             target,
             '/pdserve.DecodeWorker/Abort',
-            protos_dot_pdserve__pb2.AbortRequest.SerializeToString,
-            protos_dot_pdserve__pb2.AbortReply.FromString,
+            pdserve_dot_protos_dot_pdserve__pb2.AbortRequest.SerializeToString,
+            pdserve_dot_protos_dot_pdserve__pb2.AbortReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -229,8 +229,8 @@ class DecodeWorker(object):
             request,
             target,
             '/pdserve.DecodeWorker/Stats',
-            protos_dot_pdserve__pb2.StatsRequest.SerializeToString,
-            protos_dot_pdserve__pb2.WorkerStats.FromString,
+            pdserve_dot_protos_dot_pdserve__pb2.StatsRequest.SerializeToString,
+            pdserve_dot_protos_dot_pdserve__pb2.WorkerStats.FromString,
             options,
             channel_credentials,
             insecure,
@@ -256,8 +256,8 @@ class DecodeWorker(object):
             request,
             target,
             '/pdserve.DecodeWorker/CacheEvents',
-            protos_dot_pdserve__pb2.CacheEventsRequest.SerializeToString,
-            protos_dot_pdserve__pb2.CacheEventsReply.FromString,
+            pdserve_dot_protos_dot_pdserve__pb2.CacheEventsRequest.SerializeToString,
+            pdserve_dot_protos_dot_pdserve__pb2.CacheEventsReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -280,28 +280,28 @@ class PrefillWorkerStub(object):
         """
         self.Info = channel.unary_unary(
                 '/pdserve.PrefillWorker/Info',
-                request_serializer=protos_dot_pdserve__pb2.InfoRequest.SerializeToString,
-                response_deserializer=protos_dot_pdserve__pb2.WorkerInfo.FromString,
+                request_serializer=pdserve_dot_protos_dot_pdserve__pb2.InfoRequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_pdserve__pb2.WorkerInfo.FromString,
                 _registered_method=True)
         self.Prefill = channel.stream_stream(
                 '/pdserve.PrefillWorker/Prefill',
-                request_serializer=protos_dot_pdserve__pb2.PrefillClientMessage.SerializeToString,
-                response_deserializer=protos_dot_pdserve__pb2.PrefillServerMessage.FromString,
+                request_serializer=pdserve_dot_protos_dot_pdserve__pb2.PrefillClientMessage.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_pdserve__pb2.PrefillServerMessage.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.PrefillWorker/Abort',
-                request_serializer=protos_dot_pdserve__pb2.AbortRequest.SerializeToString,
-                response_deserializer=protos_dot_pdserve__pb2.AbortReply.FromString,
+                request_serializer=pdserve_dot_protos_dot_pdserve__pb2.AbortRequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_pdserve__pb2.AbortReply.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/pdserve.PrefillWorker/Stats',
-                request_serializer=protos_dot_pdserve__pb2.StatsRequest.SerializeToString,
-                response_deserializer=protos_dot_pdserve__pb2.WorkerStats.FromString,
+                request_serializer=pdserve_dot_protos_dot_pdserve__pb2.StatsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_pdserve__pb2.WorkerStats.FromString,
                 _registered_method=True)
         self.CacheEvents = channel.unary_unary(
                 '/pdserve.PrefillWorker/CacheEvents',
-                request_serializer=protos_dot_pdserve__pb2.CacheEventsRequest.SerializeToString,
-                response_deserializer=protos_dot_pdserve__pb2.CacheEventsReply.FromString,
+                request_serializer=pdserve_dot_protos_dot_pdserve__pb2.CacheEventsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_pdserve__pb2.CacheEventsReply.FromString,
                 _registered_method=True)
 
 
@@ -343,28 +343,28 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
-                    request_deserializer=protos_dot_pdserve__pb2.InfoRequest.FromString,
-                    response_serializer=protos_dot_pdserve__pb2.WorkerInfo.SerializeToString,
+                    request_deserializer=pdserve_dot_protos_dot_pdserve__pb2.InfoRequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_pdserve__pb2.WorkerInfo.SerializeToString,
             ),
             'Prefill': grpc.stream_stream_rpc_method_handler(
                     servicer.Prefill,
-                    request_deserializer=protos_dot_pdserve__pb2.PrefillClientMessage.FromString,
-                    response_serializer=protos_dot_pdserve__pb2.PrefillServerMessage.SerializeToString,
+                    request_deserializer=pdserve_dot_protos_dot_pdserve__pb2.PrefillClientMessage.FromString,
+                    response_serializer=pdserve_dot_protos_dot_pdserve__pb2.PrefillServerMessage.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=protos_dot_pdserve__pb2.AbortRequest.FromString,
-                    response_serializer=protos_dot_pdserve__pb2.AbortReply.SerializeToString,
+                    request_deserializer=pdserve_dot_protos_dot_pdserve__pb2.AbortRequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_pdserve__pb2.AbortReply.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=protos_dot_pdserve__pb2.StatsRequest.FromString,
-                    response_serializer=protos_dot_pdserve__pb2.WorkerStats.SerializeToString,
+                    request_deserializer=pdserve_dot_protos_dot_pdserve__pb2.StatsRequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_pdserve__pb2.WorkerStats.SerializeToString,
             ),
             'CacheEvents': grpc.unary_unary_rpc_method_handler(
                     servicer.CacheEvents,
-                    request_deserializer=protos_dot_pdserve__pb2.CacheEventsRequest.FromString,
-                    response_serializer=protos_dot_pdserve__pb2.CacheEventsReply.SerializeToString,
+                    request_deserializer=pdserve_dot_protos_dot_pdserve__pb2.CacheEventsRequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_pdserve__pb2.CacheEventsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -392,8 +392,8 @@ class PrefillWorker(object):
             request,
             target,
             '/pdserve.PrefillWorker/Info',
-            protos_dot_pdserve__pb2.InfoRequest.SerializeToString,
-            protos_dot_pdserve__pb2.WorkerInfo.FromString,
+            pdserve_dot_protos_dot_pdserve__pb2.InfoRequest.SerializeToString,
+            pdserve_dot_protos_dot_pdserve__pb2.WorkerInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -419,8 +419,8 @@ class PrefillWorker(object):
             request_iterator,
             target,
             '/pdserve.PrefillWorker/Prefill',
-            protos_dot_pdserve__pb2.PrefillClientMessage.SerializeToString,
-            protos_dot_pdserve__pb2.PrefillServerMessage.FromString,
+            pdserve_dot_protos_dot_pdserve__pb2.PrefillClientMessage.SerializeToString,
+            pdserve_dot_protos_dot_pdserve__pb2.PrefillServerMessage.FromString,
             options,
             channel_credentials,
             insecure,
@@ -446,8 +446,8 @@ class PrefillWorker(object):
             request,
             target,
             '/pdserve.PrefillWorker/Abort',
-            protos_dot_pdserve__pb2.AbortRequest.SerializeToString,
-            protos_dot_pdserve__pb2.AbortReply.FromString,
+            pdserve_dot_protos_dot_pdserve__pb2.AbortRequest.SerializeToString,
+            pdserve_dot_protos_dot_pdserve__pb2.AbortReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -473,8 +473,8 @@ class PrefillWorker(object):
             request,
             target,
             '/pdserve.PrefillWorker/Stats',
-            protos_dot_pdserve__pb2.StatsRequest.SerializeToString,
-            protos_dot_pdserve__pb2.WorkerStats.FromString,
+            pdserve_dot_protos_dot_pdserve__pb2.StatsRequest.SerializeToString,
+            pdserve_dot_protos_dot_pdserve__pb2.WorkerStats.FromString,
             options,
             channel_credentials,
             insecure,
@@ -500,8 +500,8 @@ class PrefillWorker(object):
             request,
             target,
             '/pdserve.PrefillWorker/CacheEvents',
-            protos_dot_pdserve__pb2.CacheEventsRequest.SerializeToString,
-            protos_dot_pdserve__pb2.CacheEventsReply.FromString,
+            pdserve_dot_protos_dot_pdserve__pb2.CacheEventsRequest.SerializeToString,
+            pdserve_dot_protos_dot_pdserve__pb2.CacheEventsReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,8 +7,8 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
-from router.auth import bearer_matches, request_authorization
-from router.errors import APIError, validation_message
+from pdserve.router.auth import bearer_matches, request_authorization
+from pdserve.router.errors import APIError, validation_message
 
 
 class ScaleRequest(BaseModel):

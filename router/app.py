@@ -23,22 +23,22 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from engine import stats
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import apply_chat_template, encode_prompt
-from protos import tracing
-from protos.security import Security
-from router import protocol, responses
-from router.admin import install_admin
-from router.auth import APIKeyMiddleware
-from router.cache_index import PromptKeys
-from router.dashboard import install_dashboard
-from router.errors import APIError, check_model, install_handlers, validation_message
-from router.generation import Generation
-from router.metrics import RouterMetrics
-from router.policies import DEFAULT_POLICY, CacheAwareWeights, RouteRequest, decode_busy, make_policy
-from router.registry import WorkerRegistry
-from router.tokenize import install_tokenize
+from pdserve.engine import stats
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenizer import apply_chat_template, encode_prompt
+from pdserve.router import protocol, responses
+from pdserve.router.admin import install_admin
+from pdserve.router.auth import APIKeyMiddleware
+from pdserve.router.cache_index import PromptKeys
+from pdserve.router.dashboard import install_dashboard
+from pdserve.router.errors import APIError, check_model, install_handlers, validation_message
+from pdserve.router.generation import Generation
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.policies import DEFAULT_POLICY, CacheAwareWeights, RouteRequest, decode_busy, make_policy
+from pdserve.router.registry import WorkerRegistry
+from pdserve.router.tokenize import install_tokenize
+from pdserve.rpc import tracing
+from pdserve.rpc.security import Security
 
 logger = logging.getLogger("router")
 _CHOICE_SEEDS = random.SystemRandom()  # base seeds of n > 1 requests that brought none
@@ -66,7 +66,7 @@ class RouterConfig:
     https_key_file: str | None = None
     ttft_slo_s: float | None = None  # the SLOs, for /metrics' goodput and SLO lines (None: not exported)
     tpot_slo_s: float | None = None
-    otlp_traces_endpoint: str | None = None  # export OpenTelemetry traces here (protos.tracing); None: off
+    otlp_traces_endpoint: str | None = None  # export OpenTelemetry traces here (rpc.tracing); None: off
 
     def __post_init__(self) -> None:
         if self.security is None:
@@ -107,8 +107,8 @@ class Router:
                 "inflight": self.inflight}
 
     async def start(self) -> None:
-        from engine.model_source import resolve_model
-        from engine.tokenizer import load_tokenizer
+        from pdserve.engine.model_source import resolve_model
+        from pdserve.engine.tokenizer import load_tokenizer
 
         model_dir = await asyncio.to_thread(resolve_model, self.config.model, True)
         self.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)

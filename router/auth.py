@@ -11,7 +11,7 @@ import os
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from router.errors import error_body
+from pdserve.router.errors import error_body
 
 API_KEY_ENV = "PDSERVE_API_KEY"
 

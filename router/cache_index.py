@@ -24,8 +24,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.block_hash import prefix_hashes
-from engine.cache_events import key64
+from pdserve.engine.block_hash import prefix_hashes
+from pdserve.engine.cache_events import key64
 
 
 @dataclass

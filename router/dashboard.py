@@ -19,8 +19,8 @@ from pathlib import Path
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse
 
-from engine import stats
-from router.metrics import POOLS
+from pdserve.engine import stats
+from pdserve.router.metrics import POOLS
 
 PAGE = Path(__file__).parent / "static" / "dashboard.html"
 WINDOW_S = 300.0  # the charts' span

@@ -26,15 +26,15 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import TokenLogprob
-from engine.sampling_params import SamplingParams
-from protos import pdserve_pb2 as pb
-from protos import tracing
-from protos.convert import logprob_from_proto, sampling_to_proto
-from router.cache_index import PromptKeys
-from router.errors import APIError
-from router.policies import RouteRequest
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.outputs import TokenLogprob
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protos import pdserve_pb2 as pb
+from pdserve.protos.convert import logprob_from_proto, sampling_to_proto
+from pdserve.router.cache_index import PromptKeys
+from pdserve.router.errors import APIError
+from pdserve.router.policies import RouteRequest
+from pdserve.rpc import tracing
 
 logger = logging.getLogger(__name__)
 

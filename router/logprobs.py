@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from engine.outputs import TokenLogprob
+from pdserve.engine.outputs import TokenLogprob
 
 _FLOOR = -9999.0
 

@@ -9,7 +9,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from router.registry import WorkerView
+from pdserve.router.registry import WorkerView
 
 
 @dataclass

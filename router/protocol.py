@@ -8,8 +8,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
-from engine.guided import ANY_OBJECT, schema_error
-from engine.sampling_params import MAX_LOGPROBS
+from pdserve.engine.guided import ANY_OBJECT, schema_error
+from pdserve.engine.sampling_params import MAX_LOGPROBS
 
 NonNegInt = Annotated[StrictInt, Field(ge=0)]
 MAX_CHOICES = 16  # most choices (`n`) in one request

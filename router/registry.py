@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from protos import pdserve_pb2 as pb
-from protos import pdserve_pb2_grpc as pb_grpc
-from protos.channel import open_channel
-from protos.security import Security
-from router.cache_index import CacheIndex
+from pdserve.protos import pdserve_pb2 as pb
+from pdserve.protos import pdserve_pb2_grpc as pb_grpc
+from pdserve.router.cache_index import CacheIndex
+from pdserve.rpc.channel import open_channel
+from pdserve.rpc.security import Security
 
 logger = logging.getLogger(__name__)
 HUNG_AFTER_POLLS = 3

@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from engine.outputs import TokenLogprob
-from router import protocol
-from router.errors import APIError
-from router.generation import Delta, Generation, GenerationError
-from router.logprobs import chat_logprobs, completion_logprobs, echo_logprobs, joined
+from pdserve.engine.outputs import TokenLogprob
+from pdserve.router import protocol
+from pdserve.router.errors import APIError
+from pdserve.router.generation import Delta, Generation, GenerationError
+from pdserve.router.logprobs import chat_logprobs, completion_logprobs, echo_logprobs, joined
 
 _END = object()
 

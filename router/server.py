@@ -8,13 +8,13 @@ import os
 
 import uvicorn
 
-from engine.logs import setup_logging
-from protos import tracing
-from protos.security import add_security_args, security_from_args
-from router.app import Router, RouterConfig, build_app
-from router.auth import API_KEY_ENV, api_keys_from
-from router.policies import DEFAULT_POLICY, POLICIES, CacheAwareWeights
-from router.registry import MembershipSource, WorkerRegistry, static_source
+from pdserve.engine.logs import setup_logging
+from pdserve.router.app import Router, RouterConfig, build_app
+from pdserve.router.auth import API_KEY_ENV, api_keys_from
+from pdserve.router.policies import DEFAULT_POLICY, POLICIES, CacheAwareWeights
+from pdserve.router.registry import MembershipSource, WorkerRegistry, static_source
+from pdserve.rpc import tracing
+from pdserve.rpc.security import add_security_args, security_from_args
 
 
 def make_server(config: RouterConfig, source: MembershipSource, controller=None) -> uvicorn.Server:
@@ -32,7 +32,7 @@ def make_server(config: RouterConfig, source: MembershipSource, controller=None)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m router", description="pdserve router over bare workers")
+    parser = argparse.ArgumentParser(prog="python -m pdserve.router", description="pdserve router over bare workers")
     parser.add_argument("--model", default="SmolLM2-135M-Instruct", help="model (for the tokenizer)")
     parser.add_argument("--served-model-name", default=None, help="name clients use (default: --model)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")

@@ -12,9 +12,9 @@ from __future__ import annotations
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
-from engine.tokenizer import apply_chat_template, check_token_ids
-from router.errors import APIError, check_model
-from router.protocol import ChatMessage, template_messages
+from pdserve.engine.tokenizer import apply_chat_template, check_token_ids
+from pdserve.router.errors import APIError, check_model
+from pdserve.router.protocol import ChatMessage, template_messages
 
 
 class TokenizeRequest(BaseModel):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from protos import pdserve_pb2 as pb
+from pdserve.protos import pdserve_pb2 as pb
 
 POOLS = ("prefill", "decode")
 _WORKER = ["pool", "worker"]

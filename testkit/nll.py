@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from engine import LLM
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledChunk
+from pdserve.engine import LLM
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import ScheduledChunk
 
 
 def token_nll(llm: LLM, token_ids: list[int]) -> torch.Tensor:

@@ -15,7 +15,7 @@ class Nodes:
         import ray
         from ray.cluster_utils import Cluster
 
-        from cluster.ray_cluster import ensure_token, ray_env
+        from pdserve.cluster.ray_cluster import ensure_token, ray_env
 
         assert not ray.is_initialized(), "a multi-node cluster needs a Ray of its own in this process"
         ray_env(local=False)  # token auth on; node addresses as given, not rewritten

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import grpc
 
-from protos import pdserve_pb2 as pb
-from protos import pdserve_pb2_grpc as pb_grpc
-from protos.channel import open_channel
-from protos.security import TOKEN_ENV, Security
+from pdserve.protos import pdserve_pb2 as pb
+from pdserve.protos import pdserve_pb2_grpc as pb_grpc
+from pdserve.rpc.channel import open_channel
+from pdserve.rpc.security import TOKEN_ENV, Security
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER_TOKEN = "testkit-cluster-token-0123456789"  # what the workers started here accept
@@ -187,7 +187,7 @@ class RouterProcess(_Process):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(tempfile.mkdtemp()) / "router.log"
-        cmd = [sys.executable, "-m", "router", "--model", model, "--served-model-name", served_model_name,
+        cmd = [sys.executable, "-m", "pdserve.router", "--model", model, "--served-model-name", served_model_name,
                "--port", str(self.port), *(f"--prefill={a}" for a in prefill), *(f"--decode={a}" for a in decode),
                *args]
         full_env = {**os.environ, TOKEN_ENV: CLUSTER_TOKEN, **(env or {})}

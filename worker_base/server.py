@@ -11,11 +11,11 @@ import signal
 import sys
 from collections.abc import Callable
 
-from engine.arg_utils import add_engine_args, engine_config_from_args
-from engine.logs import setup_logging
-from protos import tracing
-from protos.channel import add_port, new_server
-from worker_base.config import WorkerConfig, add_worker_args, worker_config_from_args
+from pdserve.engine.arg_utils import add_engine_args, engine_config_from_args
+from pdserve.engine.logs import setup_logging
+from pdserve.rpc import tracing
+from pdserve.rpc.channel import add_port, new_server
+from pdserve.worker_base.config import WorkerConfig, add_worker_args, worker_config_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ def run_worker(role: str, argv: list[str] | None, make_service: Callable) -> int
     try:
         engine_config = engine_config_from_args(args)
         config = worker_config_from_args(args)
-        from engine.llm_engine import LLMEngine
+        from pdserve.engine.llm_engine import LLMEngine
 
         engine = LLMEngine(engine_config)
     except ValueError as exc:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import grpc
 
-from engine.async_engine import AsyncEngine
-from engine.llm_engine import LLMEngine
-from kv_transfer.layout import KVLayout
-from kv_transfer.torch_transport import TorchTransport
-from protos import pdserve_pb2 as pb
-from worker_base.config import WorkerConfig
-from worker_base.telemetry import TransferCounters, histogram_to_proto
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.kv_transfer.layout import KVLayout
+from pdserve.kv_transfer.torch_transport import TorchTransport
+from pdserve.protos import pdserve_pb2 as pb
+from pdserve.worker_base.config import WorkerConfig
+from pdserve.worker_base.telemetry import TransferCounters, histogram_to_proto
 
 # A step running longer than this means the engine thread is wedged: Stats, which routers
 # and the controller use as the health check, answers UNAVAILABLE (a CPU prefill step of

@@ -17,9 +17,9 @@ import time
 
 import grpc
 
-from engine.stats import Histogram
-from kv_transfer.reservations import TransferError
-from protos import pdserve_pb2 as pb
+from pdserve.engine.stats import Histogram
+from pdserve.kv_transfer.reservations import TransferError
+from pdserve.protos import pdserve_pb2 as pb
 
 TRANSFER_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 

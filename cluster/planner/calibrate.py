@@ -50,8 +50,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from engine.profile import Profile, fit_nonnegative
-from engine.profile import step_kind as kind_of
+from pdserve.engine.profile import Profile, fit_nonnegative
+from pdserve.engine.profile import step_kind as kind_of
 
 MIN_STEPS = 5  # fewer logged steps of a kind: not calibrated by its own steps (see calibrate)
 # the mixed steps' predicted sizes must span this factor (largest over smallest) for a size

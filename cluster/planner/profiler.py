@@ -22,11 +22,11 @@ import time
 
 import torch
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.profile import Profile, fit_cached_attention, fit_colocated, fit_decode, fit_prefill
-from engine.sampling_params import SamplingParams
-from engine.step_log import StepShape
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.profile import Profile, fit_cached_attention, fit_colocated, fit_decode, fit_prefill
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.step_log import StepShape
 
 CACHED_PREFIXES = (512, 1536)  # cached prefix lengths the K term is profiled over
 # (rows, per-row context) of the decode steps profiled: serving's shapes, 1-64 rows at
@@ -80,7 +80,7 @@ def profile_engine(config: EngineConfig, repeats: int = 3, progress=print) -> Pr
                      + f": {seconds * 1000:.1f} ms")
     bandwidth = measure_kv_bandwidth(engine)
     progress(f"KV transfer: {bandwidth / 1e9:.2f} GB/s")
-    from kv_transfer.layout import KVLayout
+    from pdserve.kv_transfer.layout import KVLayout
 
     layout = KVLayout.of_cache(engine.runner.kv_cache)
     kv_bytes_per_token = layout.token_bytes * layout.num_layers
@@ -212,9 +212,9 @@ def time_cached_step(engine: LLMEngine, tokens: int, batch: int, cached: int, re
 
 def measure_kv_bandwidth(engine: LLMEngine, tokens: int = 2048) -> float:
     """Bytes/s of the torch transport over a loopback pair (both ends in this process)."""
-    from kv_transfer.layout import KVLayout
-    from kv_transfer.reservations import ReservationTable
-    from kv_transfer.torch_transport import TorchTransport
+    from pdserve.kv_transfer.layout import KVLayout
+    from pdserve.kv_transfer.reservations import ReservationTable
+    from pdserve.kv_transfer.torch_transport import TorchTransport
 
     cache = engine.runner.kv_cache
     layout = KVLayout.of_cache(cache)

@@ -13,9 +13,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from cluster.planner.simulator import simulate
-from cluster.planner.workload import SimRequest, poisson
-from engine.profile import Profile
+from pdserve.cluster.planner.simulator import simulate
+from pdserve.cluster.planner.workload import SimRequest, poisson
+from pdserve.engine.profile import Profile
 
 GRID_POINTS = 36
 MAX_INSTANCES = 256

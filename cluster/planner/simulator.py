@@ -31,9 +31,9 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
-from cluster.planner.workload import SimRequest
-from engine.profile import Profile
-from engine.stats import percentile
+from pdserve.cluster.planner.workload import SimRequest
+from pdserve.engine.profile import Profile
+from pdserve.engine.stats import percentile
 
 
 @dataclass

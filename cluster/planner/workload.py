@@ -8,7 +8,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.block_hash import prefix_hashes
+from pdserve.engine.block_hash import prefix_hashes
 
 
 @dataclass(frozen=True)

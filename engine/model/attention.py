@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.model.kernels import cpu_kernels
+from pdserve.engine.model.kernels import cpu_kernels
 
 _ONE_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.model.kernels import cpu_kernels
+from pdserve.engine.model.kernels import cpu_kernels
 
 
 def _kernels(x: torch.Tensor):

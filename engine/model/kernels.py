@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from engine.cpu import first_cpu_info
+from pdserve.engine.cpu import first_cpu_info
 
 logger = logging.getLogger(__name__)
 _SOURCES = tuple(Path(__file__).parent / "csrc" / name
@@ -54,7 +54,7 @@ def cpu_kernels():
     """Return the compiled extension module, or None when it cannot be built here."""
     if disabled():
         return None
-    from engine.model_source import cache_dir, file_lock
+    from pdserve.engine.model_source import cache_dir, file_lock
 
     sources = {path.name: path.read_bytes() for path in _SOURCES}
     tag = build_tag(b"\0".join(sources.values()))
@@ -100,7 +100,7 @@ def disabled() -> bool:
 
 
 def main() -> int:
-    """`python -m engine.model.kernels` (make test runs it before the suite): build now. Exits 1
+    """`python -m pdserve.engine.model.kernels` (make test runs it before the suite): build now. Exits 1
     when the build fails, so a machine with a C++ compiler never runs on the fallback unawares;
     0 when `PDSERVE_DISABLE_CPU_KERNEL=1` asks for the fallback."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")

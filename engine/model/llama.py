@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.model.attention import AttentionMetadata, paged_attention
-from engine.model.fused import add_rms_norm, rope, silu_mul
-from engine.model.linear import can_pack, linear, pack
-from engine.model.weights import CheckpointReader
+from pdserve.engine.model.attention import AttentionMetadata, paged_attention
+from pdserve.engine.model.fused import add_rms_norm, rope, silu_mul
+from pdserve.engine.model.linear import can_pack, linear, pack
+from pdserve.engine.model.weights import CheckpointReader
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from testkit.nodes import Nodes
-from testkit.workers import CLUSTER_TOKEN
+from pdserve.testkit.nodes import Nodes
+from pdserve.testkit.workers import CLUSTER_TOKEN
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from testkit.workers import stats_of
+from pdserve.testkit.workers import stats_of
 from tests.e2e.http import get, metric
 from tests.e2e.test_scaling import Traffic
 from tests.integration.streaming import stream_ids

@@ -66,7 +66,7 @@ class ForegroundUp:
 
 def recorded_ray(run_dir: Path):
     """The LocalRay that `pdserve up` recorded in `run_dir`."""
-    from cluster.ray_cluster import LocalRay
+    from pdserve.cluster.ray_cluster import LocalRay
 
     return LocalRay(**json.loads((run_dir / "local-ray.json").read_text()))
 

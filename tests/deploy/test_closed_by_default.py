@@ -12,7 +12,7 @@ import sys
 import psutil
 import pytest
 
-from testkit.workers import free_port
+from pdserve.testkit.workers import free_port
 from tests.deploy.cli import operator_env, pdserve, ray_client, recorded_ray, up_args
 from tests.e2e.http import post
 
@@ -86,7 +86,7 @@ def test_auth_disabled_is_the_operators_choice_and_warned(tiny_llama_dir, tmp_pa
     """RAY_AUTH_MODE=disabled is honoured (never a default pdserve sets), with a warning."""
     env = {**operator_env(tmp_path), "RAY_AUTH_MODE": "disabled"}
     port = free_port()
-    up = subprocess.run([sys.executable, "-m", "cluster.cli", *up_args(tiny_llama_dir, port), "--detach"],
+    up = subprocess.run([sys.executable, "-m", "pdserve.cluster.cli", *up_args(tiny_llama_dir, port), "--detach"],
                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     try:
         assert up.returncode == 0, up.stderr[-3000:]
@@ -96,4 +96,4 @@ def test_auth_disabled_is_the_operators_choice_and_warned(tiny_llama_dir, tmp_pa
         assert ray_client(local_ray.address, RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0") \
             == "ACCEPTED 42"
     finally:
-        subprocess.run([sys.executable, "-m", "cluster.cli", "down"], cwd=tmp_path, env=env, timeout=300)
+        subprocess.run([sys.executable, "-m", "pdserve.cluster.cli", "down"], cwd=tmp_path, env=env, timeout=300)

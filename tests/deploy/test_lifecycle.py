@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from testkit.workers import free_port
+from pdserve.testkit.workers import free_port
 from tests.deploy.cli import ForegroundUp, pdserve, recorded_ray, up_args
 from tests.e2e.http import post
 

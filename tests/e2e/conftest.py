@@ -6,7 +6,7 @@ import urllib.request
 
 import pytest
 
-from testkit.workers import free_port
+from pdserve.testkit.workers import free_port
 
 
 def wait_http(url: str, timeout_s: float = 120) -> None:
@@ -26,7 +26,7 @@ def wait_http(url: str, timeout_s: float = 120) -> None:
 def ray_cluster():
     import ray
 
-    from cluster.ray_cluster import init_private_cluster
+    from pdserve.cluster.ray_cluster import init_private_cluster
 
     init_private_cluster(num_cpus=16)  # loopback, token auth: as `pdserve up` runs it
     yield ray
@@ -37,8 +37,8 @@ def start_service(model_dir, **overrides):
     """Create the controller with a test config; returns (controller handle, base URL)."""
     import ray
 
-    from cluster.config import load_config
-    from cluster.controller import create_controller
+    from pdserve.cluster.config import load_config
+    from pdserve.cluster.controller import create_controller
 
     settings = {
         "model": str(model_dir), "served_model_name": "tiny", "worker_host": "127.0.0.1",

@@ -5,7 +5,7 @@ import asyncio
 import aiohttp
 import pytest
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from tests.e2e.conftest import start_service, stop_service
 from tests.e2e.http import post
 

@@ -72,9 +72,9 @@ def test_health_is_open_and_metrics_need_a_key_when_configured(keyed):
 def test_workers_take_the_deployments_token_which_status_never_shows(keyed):
     import ray
 
-    from protos import pdserve_pb2 as pb
-    from protos.security import Security
-    from testkit.workers import decode_stub
+    from pdserve.protos import pdserve_pb2 as pb
+    from pdserve.rpc.security import Security
+    from pdserve.testkit.workers import decode_stub
 
     controller, url = keyed
     status = ray.get(controller.status.remote())

@@ -92,7 +92,7 @@ def decode_target(controller) -> int:
 
 def test_autoscaler_follows_a_load_step_and_not_a_light_load(ray_cluster, tiny_llama_dir, tmp_path):
     profile = tmp_path / "profile.json"
-    out = subprocess.run([sys.executable, "-m", "cluster.cli", "profile", "--model", str(tiny_llama_dir),
+    out = subprocess.run([sys.executable, "-m", "pdserve.cluster.cli", "profile", "--model", str(tiny_llama_dir),
                           "--out", str(profile), "--repeats", "2", "--max-model-len", "1024"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]

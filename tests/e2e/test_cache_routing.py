@@ -11,7 +11,7 @@ import urllib.parse
 
 import pytest
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from tests.e2e.conftest import start_service, stop_service
 from tests.e2e.http import get, metric, post
 

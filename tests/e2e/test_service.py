@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from tests.e2e.http import ABORTED, get, metric, post, stream
 
 

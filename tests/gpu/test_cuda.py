@@ -6,7 +6,7 @@ import asyncio
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -38,7 +38,7 @@ def test_fp32_on_cuda_matches_hf(tiny_llama_dir):
 
 @needs_two_gpus
 def test_nccl_transport_between_two_gpus(tiny_llama_dir):
-    from testkit.workers import WorkerProcess, collect, decode_stub, generate_request
+    from pdserve.testkit.workers import WorkerProcess, collect, decode_stub, generate_request
 
     model = str(tiny_llama_dir)
     prompt = list(range(100, 400))

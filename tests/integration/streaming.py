@@ -5,7 +5,7 @@ import asyncio
 
 import aiohttp
 
-from testkit.workers import WorkerProcess, stats_of
+from pdserve.testkit.workers import WorkerProcess, stats_of
 
 
 async def stream_ids(url: str, body: dict, after: int | None = None, on_tokens=None, logprobs: list | None = None):

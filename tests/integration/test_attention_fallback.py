@@ -9,8 +9,8 @@ import random
 import subprocess
 import sys
 
-from engine import LLM, SamplingParams
-from engine.model import attention, kernels
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.model import attention, kernels
 
 
 def test_fallback_attention_gives_the_kernels_greedy_tokens(tiny_llama_dir, monkeypatch, cpu_kernels):
@@ -38,8 +38,8 @@ def test_fallback_attention_gives_the_kernels_greedy_tokens(tiny_llama_dir, monk
 
 GENERATE = """
 import json, sys
-from engine import LLM, SamplingParams
-from engine.model import kernels
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.model import kernels
 llm = LLM(sys.argv[1], max_model_len=256, enable_prefix_caching=False, dtype="float32")
 out = llm.generate([[5, 6, 7, 8, 9] * 8], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
 print(json.dumps({"kernels": kernels.cpu_kernels() is not None, "tokens": out[0].token_ids}))

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from testkit.workers import RouterProcess, WorkerProcess, stats_of, wait_idle_at
+from pdserve.testkit.workers import RouterProcess, WorkerProcess, stats_of, wait_idle_at
 from tests.e2e.http import ABORTED, get, metric, post
 
 

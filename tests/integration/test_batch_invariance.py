@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.loader import kv_block_bytes
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.loader import kv_block_bytes
 
 NUM_REQUESTS = 32
 BLOCK_SIZE = 8

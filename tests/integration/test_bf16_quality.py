@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM
-from testkit.nll import token_argmax, token_nll
+from pdserve.engine import LLM
+from pdserve.testkit.nll import token_argmax, token_nll
 
 TEXT = (Path(__file__).parent.parent / "data" / "english.txt").read_text()
 MAX_LEN = 4096

@@ -7,8 +7,8 @@ import asyncio
 import grpc
 import pytest
 
-from protos import pdserve_pb2 as pb
-from testkit.workers import RouterProcess, WorkerProcess, collect, decode_stub, generate_request, wait_idle
+from pdserve.protos import pdserve_pb2 as pb
+from pdserve.testkit.workers import RouterProcess, WorkerProcess, collect, decode_stub, generate_request, wait_idle
 from tests.e2e.http import post
 from tests.integration.test_disaggregation_faults import poll, silent_peer
 
@@ -51,8 +51,8 @@ def test_past_max_queued_requests_a_prefill_worker_refuses_and_the_decode_worker
     """A prefill worker holds at most `--max-queued-requests` legs open: one more is refused
     with RESOURCE_EXHAUSTED at once; a decode worker sent there prefills the request itself
     (right tokens); once the open leg ends, the prefill worker takes legs again."""
-    from engine import LLM, SamplingParams
-    from testkit.workers import prefill_stub
+    from pdserve.engine import LLM, SamplingParams
+    from pdserve.testkit.workers import prefill_stub
     from tests.integration.test_slow_peer import prefill_leg
 
     model = str(tiny_llama_dir)

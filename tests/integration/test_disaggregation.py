@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from engine import LLM, SamplingParams
-from testkit.workers import WorkerProcess, collect, decode_stub, generate_request, prefill_stub, wait_idle
+from pdserve.engine import LLM, SamplingParams
+from pdserve.testkit.workers import WorkerProcess, collect, decode_stub, generate_request, prefill_stub, wait_idle
 
 PREFILL_ARGS = ("--max-num-batched-tokens", "32")  # prompts span several chunks
 

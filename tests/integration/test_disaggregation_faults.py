@@ -11,8 +11,8 @@ import time
 import grpc
 import pytest
 
-from engine import LLM, SamplingParams
-from testkit.workers import WorkerProcess, collect, decode_stub, generate_request, prefill_stub, wait_idle
+from pdserve.engine import LLM, SamplingParams
+from pdserve.testkit.workers import WorkerProcess, collect, decode_stub, generate_request, prefill_stub, wait_idle
 
 BLOCK_BYTES = 8192  # tiny model: 2 layers x K,V x 16 tokens x 2 kv heads x 16 dims x fp32
 
@@ -43,7 +43,7 @@ async def assert_idle(*addresses_and_kinds):
 
 
 async def poll(stub, predicate, timeout_s: float = 20.0):
-    from protos import pdserve_pb2 as pb
+    from pdserve.protos import pdserve_pb2 as pb
 
     deadline = time.monotonic() + timeout_s
     seen = []
@@ -74,7 +74,7 @@ def test_abort_at_every_stage_frees_both_sides(workers, transport, how):
     """Every request asks for more tokens than it can make before being aborted, so it ends
     only by the abort: its stream ends with "abort" (Abort RPC), the decode worker counts no
     finished request, and both workers end with every block free."""
-    from protos import pdserve_pb2 as pb
+    from pdserve.protos import pdserve_pb2 as pb
 
     d, p = workers["d"].address, workers["p"].address
     # prompts of their own: no prefix cached by an earlier case may shorten a stage
@@ -139,7 +139,7 @@ def test_abort_at_every_stage_frees_both_sides(workers, transport, how):
 
 
 def test_killed_prefill_worker_fails_over_and_decode_keeps_serving(tiny_llama_dir):
-    from protos import pdserve_pb2 as pb
+    from pdserve.protos import pdserve_pb2 as pb
 
     model = str(tiny_llama_dir)
     requests = [(ids_of(300 + 20 * i, 40 + i), 8) for i in range(4)]
@@ -180,7 +180,7 @@ def test_killed_prefill_worker_fails_over_and_decode_keeps_serving(tiny_llama_di
 
 
 def test_hung_prefill_worker_misses_the_deadline_and_is_abandoned(tiny_llama_dir):
-    from protos import pdserve_pb2 as pb
+    from pdserve.protos import pdserve_pb2 as pb
 
     model = str(tiny_llama_dir)
     with WorkerProcess("prefill", model) as hung, WorkerProcess("decode", model, "--kv-transfer-timeout-s", "2") as d:
@@ -206,7 +206,7 @@ def test_hung_prefill_worker_misses_the_deadline_and_is_abandoned(tiny_llama_dir
 
 
 def test_prefill_rejects_a_mismatched_layout(workers):
-    from protos import pdserve_pb2 as pb
+    from pdserve.protos import pdserve_pb2 as pb
 
     async def scenario():
         channel, stub = prefill_stub(workers["p"].address)

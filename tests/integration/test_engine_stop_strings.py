@@ -3,7 +3,7 @@ stop string, the finish reason is "stop", generation ends there, and only that r
 
 import pytest
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 
 PROMPTS = [[5, 6, 7], [100, 200, 300, 400]]
 

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from engine import LLM, EngineConfig, SamplingParams
-from engine.model_source import resolve_model
+from pdserve.engine import LLM, EngineConfig, SamplingParams
+from pdserve.engine.model_source import resolve_model
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 
 TOKEN_PROMPT_LENGTHS = [1, 3, 7, 16, 17, 33, 64, 150]
 TEXT_PROMPTS = [

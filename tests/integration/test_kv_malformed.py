@@ -8,13 +8,13 @@ import asyncio
 
 import pytest
 
-from engine import LLM, SamplingParams
-from kv_transfer.layout import KVLayout
-from kv_transfer.torch_transport import TorchTransport
-from protos import pdserve_pb2 as pb
-from protos import pdserve_pb2_grpc as pb_grpc
-from protos.channel import new_server
-from testkit.workers import SECURITY, WorkerProcess, collect, decode_stub, generate_request, wait_idle
+from pdserve.engine import LLM, SamplingParams
+from pdserve.kv_transfer.layout import KVLayout
+from pdserve.kv_transfer.torch_transport import TorchTransport
+from pdserve.protos import pdserve_pb2 as pb
+from pdserve.protos import pdserve_pb2_grpc as pb_grpc
+from pdserve.rpc.channel import new_server
+from pdserve.testkit.workers import SECURITY, WorkerProcess, collect, decode_stub, generate_request, wait_idle
 
 PROMPT = list(range(100, 160))
 

@@ -11,8 +11,8 @@ real ones, captured from a forward over a real prompt.
 import pytest
 import torch
 
-import engine.model.llama as llama
-from engine import LLM, SamplingParams
+import pdserve.engine.model.llama as llama
+from pdserve.engine import LLM, SamplingParams
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

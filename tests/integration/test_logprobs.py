@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from engine import LLM
-from engine.sampling_params import SamplingParams
-from testkit.workers import SERVING_PATHS, serving_path, stats_of
+from pdserve.engine import LLM
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.testkit.workers import SERVING_PATHS, serving_path, stats_of
 from tests.e2e.http import post
 
 PROMPT = list(range(5, 40))

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from testkit.workers import RouterProcess, WorkerProcess
+from pdserve.testkit.workers import RouterProcess, WorkerProcess
 from tests.e2e.http import get, post
 
 CHAT = "/v1/chat/completions"
@@ -202,9 +202,9 @@ def test_choices_share_the_prompts_kv_through_the_prefix_caches(served):
     each computes only the tail after them."""
     import asyncio
 
-    from kv_transfer.layout import KVLayout
-    from protos import pdserve_pb2 as pb
-    from testkit.workers import decode_stub, stats_of
+    from pdserve.kv_transfer.layout import KVLayout
+    from pdserve.protos import pdserve_pb2 as pb
+    from pdserve.testkit.workers import decode_stub, stats_of
 
     async def block_size() -> int:
         channel, stub = decode_stub(served["decode"].address)

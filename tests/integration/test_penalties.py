@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from engine import LLM
-from engine.sampling_params import SamplingParams
+from pdserve.engine import LLM
+from pdserve.engine.sampling_params import SamplingParams
 
 PROMPT = [5, 6, 7, 8, 5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7]
 

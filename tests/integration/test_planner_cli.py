@@ -10,12 +10,12 @@ from dataclasses import replace
 import pytest
 import yaml
 
-from engine.profile import Profile, fit_cached_attention, fit_colocated, fit_decode, fit_prefill
+from pdserve.engine.profile import Profile, fit_cached_attention, fit_colocated, fit_decode, fit_prefill
 
 
 def pdserve(*args, cwd=None):
     env = dict(os.environ)
-    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "pdserve.cluster.cli", *args], capture_output=True, text=True,
                           timeout=600, env=env, cwd=cwd)
 
 

@@ -9,8 +9,8 @@ import random
 import grpc
 import pytest
 
-from protos import pdserve_pb2 as pb
-from testkit.workers import WorkerProcess, prefill_stub, wait_idle
+from pdserve.protos import pdserve_pb2 as pb
+from pdserve.testkit.workers import WorkerProcess, prefill_stub, wait_idle
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ seeded sampling; a second turn that reuses the first turn's prompt and reply."""
 
 import pytest
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 
 BLOCK = 16
 SYSTEM = list(range(1000, 1000 + 3 * BLOCK))  # three full blocks shared by every prompt

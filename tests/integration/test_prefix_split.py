@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from engine import LLM, SamplingParams
-from kv_transfer.layout import KVLayout
-from protos import pdserve_pb2 as pb
-from testkit.workers import WorkerProcess, decode_stub, generate_request, stats_of, wait_idle
+from pdserve.engine import LLM, SamplingParams
+from pdserve.kv_transfer.layout import KVLayout
+from pdserve.protos import pdserve_pb2 as pb
+from pdserve.testkit.workers import WorkerProcess, decode_stub, generate_request, stats_of, wait_idle
 
 BLOCK = 16
 MAX_TOKENS = 6
@@ -125,7 +125,7 @@ def test_abort_during_a_delta_transfer_keeps_the_shared_prefix(split):
 
 
 def test_bad_cached_token_counts_are_refused_by_the_prefill_worker(split):
-    from testkit.workers import prefill_stub
+    from pdserve.testkit.workers import prefill_stub
 
     async def attempt(num_cached: int):
         channel, stub = prefill_stub(split["p"])

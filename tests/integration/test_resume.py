@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from engine import LLM, SamplingParams
-from protos.convert import sampling_from_proto, sampling_to_proto
+from pdserve.engine import LLM, SamplingParams
+from pdserve.protos.convert import sampling_from_proto, sampling_to_proto
 
 PROMPT = list(range(11, 51))
 

@@ -9,12 +9,12 @@ import dataclasses
 
 import pytest
 
-from engine.sampling_params import SamplingParams
-from router.app import Router, RouterConfig
-from router.cache_index import PromptKeys
-from router.generation import Generation, GenerationError
-from router.registry import WorkerRegistry
-from testkit.workers import SECURITY, RouterProcess, WorkerProcess, wait_idle_at
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.app import Router, RouterConfig
+from pdserve.router.cache_index import PromptKeys
+from pdserve.router.generation import Generation, GenerationError
+from pdserve.router.registry import WorkerRegistry
+from pdserve.testkit.workers import SECURITY, RouterProcess, WorkerProcess, wait_idle_at
 from tests.e2e.http import metric
 from tests.integration.streaming import serving_worker, stream_ids
 
@@ -169,7 +169,7 @@ def test_a_decode_worker_leaving_the_pool_mid_stream_is_resumed_elsewhere_even_u
     params = SamplingParams(max_tokens=200, temperature=1.0, ignore_eos=True)  # no seed: the router picks one
     ids, error, seed = _leave_mid_stream(workers, tiny_llama_dir, params, others=1)
     assert error is None and len(ids) == 200
-    from engine import LLM  # the unbroken run, offline, with the seed the router resolved
+    from pdserve.engine import LLM  # the unbroken run, offline, with the seed the router resolved
 
     [out] = LLM(str(tiny_llama_dir)).generate([PROMPT], dataclasses.replace(params, seed=seed))
     assert ids == out.outputs[0].token_ids
@@ -189,7 +189,7 @@ def test_a_request_whose_worker_left_waits_for_a_replacement_and_resumes_token_e
     params = SamplingParams(max_tokens=120, temperature=0.9, seed=5, ignore_eos=True)
     ids, error, _ = _leave_mid_stream(workers, tiny_llama_dir, params, others=0, migration_wait_s=30,
                                       joins_after_s=3)
-    from engine import LLM
+    from pdserve.engine import LLM
 
     [out] = LLM(str(tiny_llama_dir)).generate([PROMPT], params)
     assert error is None and ids == out.outputs[0].token_ids
@@ -252,7 +252,7 @@ def test_the_real_smollm2_killed_mid_stream_resumes_with_the_offline_tokens(smol
     """The same migration on the real SmolLM2-135M weights: the serving decode worker is
     SIGKILLed after 20 tokens of a seeded sampled stream; the client's tokens equal the engine's
     offline run of the same request."""
-    from engine import LLM
+    from pdserve.engine import LLM
 
     model = str(smollm2_dir)
     llm = LLM(model)

@@ -10,10 +10,10 @@ import time
 import grpc
 import pytest
 
-from protos import pdserve_pb2 as pb
-from protos import pdserve_pb2_grpc as pb_grpc
-from protos.security import Security
-from testkit.workers import (
+from pdserve.protos import pdserve_pb2 as pb
+from pdserve.protos import pdserve_pb2_grpc as pb_grpc
+from pdserve.rpc.security import Security
+from pdserve.testkit.workers import (
     ROOT,
     SECURITY,
     WorkerProcess,
@@ -174,11 +174,11 @@ def test_router_serves_https(tmp_path, smollm2_dir):
     import urllib.error
     import urllib.request
 
-    from testkit.workers import CLUSTER_TOKEN, free_port
+    from pdserve.testkit.workers import CLUSTER_TOKEN, free_port
 
     cert, key = _self_signed(tmp_path)
     port = free_port()
-    router = subprocess.Popen([sys.executable, "-m", "router", "--model", str(smollm2_dir), "--port", str(port),
+    router = subprocess.Popen([sys.executable, "-m", "pdserve.router", "--model", str(smollm2_dir), "--port", str(port),
                                "--decode", "127.0.0.1:1", "--https-cert", str(cert), "--https-key", str(key)],
                               cwd=ROOT, env={**os.environ, "PDSERVE_CLUSTER_TOKEN": CLUSTER_TOKEN},
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

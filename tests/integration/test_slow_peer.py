@@ -11,9 +11,9 @@ import sys
 import grpc
 import pytest
 
-from engine import LLM, SamplingParams
-from protos import pdserve_pb2 as pb
-from testkit.workers import WorkerProcess, collect, decode_stub, generate_request, prefill_stub, wait_idle
+from pdserve.engine import LLM, SamplingParams
+from pdserve.protos import pdserve_pb2 as pb
+from pdserve.testkit.workers import WorkerProcess, collect, decode_stub, generate_request, prefill_stub, wait_idle
 from tests.integration.test_torch_transport import _HUNG_PEER
 
 PROMPT = list(range(300, 340))

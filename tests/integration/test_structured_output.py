@@ -10,10 +10,10 @@ import json
 import jsonschema
 import pytest
 
-from engine import LLM
-from engine.guided import ANY_OBJECT, GuideFactory
-from engine.sampling_params import SamplingParams
-from testkit.workers import SERVING_PATHS, serving_path, stats_of
+from pdserve.engine import LLM
+from pdserve.engine.guided import ANY_OBJECT, GuideFactory
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.testkit.workers import SERVING_PATHS, serving_path, stats_of
 from tests.e2e.http import post
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "pet", "flags"],

@@ -6,7 +6,7 @@ generic one; what must agree is the token ids, and this checks them."""
 import pytest
 from transformers import AutoTokenizer
 
-from engine.tokenizer import apply_chat_template, load_tokenizer
+from pdserve.engine.tokenizer import apply_chat_template, load_tokenizer
 
 TEXTS = ["Hello world, ok?", "  leading spaces\nand a newline", "naïve café — 東京 🚀", "<|im_start|>user"]
 
@@ -35,8 +35,8 @@ def test_a_tiny_model_with_its_own_tokenizer_generates_text_and_chats(tiny_llama
     whose prompt is the ChatML template's tokens."""
     import json
 
-    from engine import LLM, SamplingParams
-    from testkit.models import SPECIAL_TOKENS
+    from pdserve.engine import LLM, SamplingParams
+    from pdserve.testkit.models import SPECIAL_TOKENS
 
     model_dir = tiny_llama_own_tokenizer_dir
     added = json.loads((model_dir / "tokenizer.json").read_text())["added_tokens"]

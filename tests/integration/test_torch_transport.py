@@ -7,10 +7,10 @@ import time
 import pytest
 import torch
 
-from kv_transfer.base import KVTransportError
-from kv_transfer.layout import KVLayout
-from kv_transfer.reservations import ReservationTable
-from kv_transfer.torch_transport import TorchTransport
+from pdserve.kv_transfer.base import KVTransportError
+from pdserve.kv_transfer.layout import KVLayout
+from pdserve.kv_transfer.reservations import ReservationTable
+from pdserve.kv_transfer.torch_transport import TorchTransport
 
 LAYOUT = KVLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
 
@@ -157,7 +157,7 @@ def test_a_peer_that_stops_reading_fails_pieces_after_the_deadline_and_leaves_no
     import subprocess
     import sys
 
-    from kv_transfer.reservations import TransferError
+    from pdserve.kv_transfer.reservations import TransferError
 
     peer = subprocess.Popen([sys.executable, "-c", _HUNG_PEER], stdout=subprocess.PIPE, text=True)
     try:

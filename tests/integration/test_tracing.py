@@ -1,4 +1,4 @@
-"""OpenTelemetry tracing (protos.tracing) across real processes: a router, a decode worker and
+"""OpenTelemetry tracing (rpc.tracing) across real processes: a router, a decode worker and
 a prefill worker export to a real OTLP/gRPC receiver run here (opentelemetry-proto's
 TraceService). One disaggregated request is one trace: spans from all three services, linked
 router -> decode worker -> prefill worker through the `traceparent` in gRPC metadata, each
@@ -22,9 +22,9 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-from cluster.config import load_config
-from protos import tracing
-from testkit.workers import CLUSTER_TOKEN, ROOT, RouterProcess, WorkerProcess, free_port, stats_of
+from pdserve.cluster.config import load_config
+from pdserve.rpc import tracing
+from pdserve.testkit.workers import CLUSTER_TOKEN, ROOT, RouterProcess, WorkerProcess, free_port, stats_of
 from tests.e2e.http import post
 from tests.integration.streaming import serving_worker, stream_ids
 
@@ -188,7 +188,7 @@ def test_a_migrated_request_is_one_trace_with_a_leg_per_decode_worker(tiny_llama
 # prints which OpenTelemetry modules beyond the API (FastAPI's own dependency) it had imported.
 _ROUTER_OFF = """
 import json, sys, threading, time, urllib.request
-from router.server import main
+from pdserve.router.server import main
 argv = json.loads(sys.argv[1])
 threading.Thread(target=main, args=(argv,), daemon=True).start()
 url = f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"

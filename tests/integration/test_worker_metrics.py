@@ -10,9 +10,9 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kv_transfer.layout import KVLayout
-from protos import pdserve_pb2 as pb
-from testkit.workers import collect, decode_stub, free_port, generate_request, serving_path
+from pdserve.kv_transfer.layout import KVLayout
+from pdserve.protos import pdserve_pb2 as pb
+from pdserve.testkit.workers import collect, decode_stub, free_port, generate_request, serving_path
 from tests.e2e.http import get, post
 
 REQUESTS, PROMPT_TOKENS, MAX_TOKENS = 3, 40, 5

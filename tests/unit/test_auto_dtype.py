@@ -2,8 +2,8 @@
 
 import torch
 
-from engine import loader
-from engine.cpu import native_bf16_flags
+from pdserve.engine import loader
+from pdserve.engine.cpu import native_bf16_flags
 
 
 def test_native_bf16_is_read_from_the_flags():
@@ -26,7 +26,7 @@ def test_auto_picks_bf16_only_where_the_cpu_has_it(monkeypatch):
 
 
 def test_an_explicit_dtype_is_kept_whatever_the_cpu(monkeypatch):
-    from engine.config import EngineConfig
+    from pdserve.engine.config import EngineConfig
 
     monkeypatch.setattr(loader, "native_bf16_flags", lambda: ["avx512_bf16"])
     assert loader.resolve_device_dtype(EngineConfig(device="cpu", dtype="float32"))[1] == torch.float32

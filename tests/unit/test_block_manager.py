@@ -5,7 +5,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.block_manager import BlockManager
+from pdserve.engine.block_manager import BlockManager
 
 NUM_BLOCKS, BLOCK_SIZE = 24, 4
 

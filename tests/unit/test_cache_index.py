@@ -4,10 +4,10 @@ import random
 
 import pytest
 
-from engine.block_hash import prefix_hashes, root_hash
-from engine.block_manager import BlockManager
-from engine.cache_events import CacheEventLog, key64
-from router.cache_index import CacheIndex, PromptKeys
+from pdserve.engine.block_hash import prefix_hashes, root_hash
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.cache_events import CacheEventLog, key64
+from pdserve.router.cache_index import CacheIndex, PromptKeys
 
 BS = 4
 ROOT = root_hash("model|float32")

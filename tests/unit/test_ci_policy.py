@@ -39,8 +39,8 @@ def test_in_ci_a_skip_fails_the_run(tmp_path):
 
 def kernels_main(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if k != "PDSERVE_DISABLE_CPU_KERNEL"}
-    return subprocess.run([sys.executable, "-m", "engine.model.kernels"], cwd=ROOT, capture_output=True, text=True,
-                          env={**clean, "PDSERVE_CACHE": str(tmp_path), **env}, timeout=300)
+    return subprocess.run([sys.executable, "-m", "pdserve.engine.model.kernels"], cwd=ROOT, capture_output=True,
+                          text=True, env={**clean, "PDSERVE_CACHE": str(tmp_path), **env}, timeout=300)
 
 
 def test_a_kernel_that_does_not_build_fails_the_build_step(tmp_path):

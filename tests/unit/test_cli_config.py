@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from cluster.cli_planner import _seconds, replicas_from_plan
-from cluster.cli_service import _overrides
-from cluster.config import load_config
+from pdserve.cluster.cli_planner import _seconds, replicas_from_plan
+from pdserve.cluster.cli_service import _overrides
+from pdserve.cluster.config import load_config
 
 
 def test_deploy_local_yaml_is_a_copy_of_the_defaults():

@@ -9,11 +9,11 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from protos import pdserve_pb2 as pb
-from protos.security import Security
-from router.app import Router, RouterConfig, build_app
-from router.dashboard import TransferRates, latency_view
-from router.registry import WorkerView
+from pdserve.protos import pdserve_pb2 as pb
+from pdserve.router.app import Router, RouterConfig, build_app
+from pdserve.router.dashboard import TransferRates, latency_view
+from pdserve.router.registry import WorkerView
+from pdserve.rpc.security import Security
 
 SLO = {"ttft_s": 1.0, "tpot_s": 0.1, "percentile": 90.0}
 
@@ -155,8 +155,8 @@ def test_the_autoscalers_observations_carry_each_requests_arrival():
     import time
     from types import SimpleNamespace
 
-    from router.generation import Result
-    from router.responses import begin, end
+    from pdserve.router.generation import Result
+    from pdserve.router.responses import begin, end
 
     router = make_router([])
     started = time.perf_counter() - 2.0  # it arrived two seconds ago and has just finished

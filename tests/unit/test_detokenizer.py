@@ -4,7 +4,7 @@ and stop strings cut the text without leaking their prefix."""
 import pytest
 from transformers import AutoTokenizer
 
-from engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.detokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import asyncio
 import threading
 import time
 
-from engine.async_engine import AsyncEngine
+from pdserve.engine.async_engine import AsyncEngine
 
 
 class _BlockingEngine:

@@ -5,7 +5,7 @@ difference is a few roundings of the dtype (fp32 sums in another order, another 
 import pytest
 import torch
 
-from engine.model import fused
+from pdserve.engine.model import fused
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 from prometheus_client import generate_latest
 
-from router.generation import Result
-from router.metrics import RouterMetrics
+from pdserve.router.generation import Result
+from pdserve.router.metrics import RouterMetrics
 
 
 class _NoWorkers:

@@ -1,6 +1,6 @@
 """deploy/grafana/pdserve.json queries only metrics pdserve exports: every `pdserve_*` name in
 its expressions is a series of a family the router's registry renders (with workers' series
-from router.worker_metrics and the SLO series a deployment config gives), counting the
+from pdserve.router.worker_metrics and the SLO series a deployment config gives), counting the
 `_total` of counters and the `_bucket`/`_sum`/`_count` of histograms. And the Prometheus
 config scrapes the router's /metrics."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.metrics import RouterMetrics
+from pdserve.router.metrics import RouterMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),

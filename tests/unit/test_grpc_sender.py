@@ -7,9 +7,9 @@ import threading
 import pytest
 import torch
 
-from kv_transfer.grpc_transport import GrpcStreamSender
-from kv_transfer.layout import KVLayout
-from kv_transfer.reservations import TransferError
+from pdserve.kv_transfer.grpc_transport import GrpcStreamSender
+from pdserve.kv_transfer.layout import KVLayout
+from pdserve.kv_transfer.reservations import TransferError
 
 LAYOUT = KVLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
 

@@ -1,6 +1,6 @@
 """The CPU kernel's build cache is keyed by everything the binary depends on."""
 
-from engine.model import kernels
+from pdserve.engine.model import kernels
 
 
 def test_build_tag_changes_with_source_torch_and_cpu(monkeypatch):

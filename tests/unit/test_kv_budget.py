@@ -3,7 +3,7 @@ else 2 GiB; a bad value is refused with a message naming the variable."""
 
 import pytest
 
-from engine.config import CPU_KV_CACHE_ENV, DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, default_cpu_kv_cache_bytes
+from pdserve.engine.config import CPU_KV_CACHE_ENV, DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, default_cpu_kv_cache_bytes
 
 
 def test_unset_gives_the_two_gib_default(monkeypatch):
@@ -24,7 +24,7 @@ def test_a_bad_value_names_the_variable(monkeypatch, raw):
 
 
 def test_an_engine_without_a_budget_sizes_its_cache_from_the_environment(monkeypatch, tiny_llama_dir):
-    from engine.loader import kv_block_bytes, load_model, num_kv_blocks
+    from pdserve.engine.loader import kv_block_bytes, load_model, num_kv_blocks
 
     config = EngineConfig(model=str(tiny_llama_dir), dtype="float32")
     loaded = load_model(config)

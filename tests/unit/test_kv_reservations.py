@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_transfer.layout import KVLayout
-from kv_transfer.reservations import ReservationTable, TransferError
+from pdserve.kv_transfer.layout import KVLayout
+from pdserve.kv_transfer.reservations import ReservationTable, TransferError
 
 LAYOUT = KVLayout(num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
 
@@ -134,7 +134,7 @@ def test_pieces_land_where_index_copy_would_put_them(blocks, num_blocks, trim, b
 
 def test_host_copy_gathers_strided_views_and_refuses_a_dtype_change():
     """The sender packs K/V views of a fused projection (strided rows) into its staging."""
-    from kv_transfer.layout import host_copy
+    from pdserve.kv_transfer.layout import host_copy
 
     fused = torch.randn(5, 3, 8).to(torch.bfloat16)
     dst = torch.empty(5, 1, 8, dtype=torch.bfloat16)

@@ -1,4 +1,4 @@
-"""The import rules that keep the layers apart (README, "Layers").
+"""The import rules that keep the layers apart (docs/design.md, "Layers").
 
 A static check reads every module's imports (including the ones inside functions); a
 runtime check starts what the router process imports and loads a tokenizer, and looks at
@@ -16,28 +16,35 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PROCESS_PACKAGES = {"router", "cluster", "worker_base", "prefill_worker", "decode_worker"}
-NOT_SHIPPED = {"tests", "testkit", "benchmarks"}
+NOT_PRODUCT = {"tests", "testkit", "benchmarks"}
 FORBIDDEN = {
     # the shared core knows nothing of disaggregation, RPC, HTTP or Ray
-    "engine": {"kv_transfer", "protos", "grpc", "ray", "fastapi", "uvicorn"} | PROCESS_PACKAGES | NOT_SHIPPED,
-    "kv_transfer": {"ray", "fastapi"} | PROCESS_PACKAGES | NOT_SHIPPED,
-    "protos": {"torch", "kv_transfer"} | PROCESS_PACKAGES | NOT_SHIPPED,
-    "worker_base": {"router", "cluster", "prefill_worker", "decode_worker"} | NOT_SHIPPED,
-    "prefill_worker": {"router", "cluster", "decode_worker"} | NOT_SHIPPED,
-    "decode_worker": {"router", "cluster", "prefill_worker"} | NOT_SHIPPED,
-    "router": {"torch", "kv_transfer", "cluster", "worker_base", "prefill_worker", "decode_worker"} | NOT_SHIPPED,
-    "cluster": NOT_SHIPPED,
+    "engine": {"kv_transfer", "protos", "rpc", "grpc", "ray", "fastapi", "uvicorn"} | PROCESS_PACKAGES | NOT_PRODUCT,
+    "kv_transfer": {"ray", "fastapi"} | PROCESS_PACKAGES | NOT_PRODUCT,
+    "protos": {"torch", "kv_transfer", "rpc"} | PROCESS_PACKAGES | NOT_PRODUCT,
+    "rpc": {"torch", "kv_transfer"} | PROCESS_PACKAGES | NOT_PRODUCT,
+    "worker_base": {"router", "cluster", "prefill_worker", "decode_worker"} | NOT_PRODUCT,
+    "prefill_worker": {"router", "cluster", "decode_worker"} | NOT_PRODUCT,
+    "decode_worker": {"router", "cluster", "prefill_worker"} | NOT_PRODUCT,
+    "router": {"torch", "kv_transfer", "cluster", "worker_base", "prefill_worker", "decode_worker"} | NOT_PRODUCT,
+    "cluster": NOT_PRODUCT,
     "benchmarks": {"tests"},
 }
+
+
+def layer_of(module: str) -> str:
+    """The layer an absolute import names: `pdserve.router.app` -> "router", `torch.nn` -> "torch"."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "pdserve" and len(parts) > 1 else parts[0]
 
 
 def imported_top_level_names(path: Path) -> set[str]:
     names = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
+            names.update(layer_of(alias.name) for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module.split(".")[0])
+            names.add(layer_of(node.module))
     return names
 
 
@@ -52,16 +59,17 @@ def test_package_imports_respect_the_layers(package):
 
 def test_the_checker_sees_imports_inside_functions(tmp_path):
     module = tmp_path / "m.py"
-    module.write_text("def f():\n    from kv_transfer.layout import KVLayout\n    import torch.nn\n")
+    module.write_text("def f():\n    from pdserve.kv_transfer.layout import KVLayout\n    import torch.nn\n")
     assert imported_top_level_names(module) == {"kv_transfer", "torch"}
 
 
 def test_router_process_never_loads_torch(smollm2_dir):
     code = (
         "import sys\n"
-        "import router.server, router.app, router.generation, router.registry, router.policies\n"
-        "from engine.model_source import resolve_model\n"
-        "from engine.tokenizer import apply_chat_template, load_tokenizer\n"
+        "import pdserve.router.server, pdserve.router.app, pdserve.router.generation\n"
+        "import pdserve.router.registry, pdserve.router.policies\n"
+        "from pdserve.engine.model_source import resolve_model\n"
+        "from pdserve.engine.tokenizer import apply_chat_template, load_tokenizer\n"
         f"tokenizer = load_tokenizer(resolve_model({str(smollm2_dir)!r}, convert_in_subprocess=True))\n"
         "assert apply_chat_template(tokenizer, [{'role': 'user', 'content': 'hi'}])\n"
         "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
@@ -71,23 +79,9 @@ def test_router_process_never_loads_torch(smollm2_dir):
     assert result.returncode == 0, result.stderr[-2000:]
 
 
-SHIPPED_PACKAGES = ["engine", "kv_transfer", "protos", "worker_base", "prefill_worker", "decode_worker",
-                    "router", "cluster"]
-
-
-def test_no_other_installed_distribution_ships_our_top_level_packages():
-    """pdserve installs these as top-level packages (README: "Top-level package names"); any
-    other installed distribution providing one of them would shadow or be shadowed."""
-    from importlib.metadata import packages_distributions
-
-    providers = packages_distributions()
-    clashes = {name: sorted(set(providers[name]) - {"pdserve"}) for name in SHIPPED_PACKAGES
-               if set(providers.get(name, ())) - {"pdserve"}}
-    assert not clashes, f"installed distributions that also provide our packages: {clashes}"
-
-
-def test_the_wheel_config_ships_exactly_these_packages():
-    import tomllib
-
-    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
-    assert sorted(p.rstrip("*") for p in include) == sorted(SHIPPED_PACKAGES)
+def test_setup_installs_every_package_directory_under_pdserve():
+    """setup.py maps each product directory to pdserve.<dir>; one it forgot would not install."""
+    (packages,) = [ast.literal_eval(node.value) for node in ast.parse((ROOT / "setup.py").read_text()).body
+                   if isinstance(node, ast.Assign) and node.targets[0].id == "PACKAGES"]
+    directories = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests", "benchmarks"}
+    assert set(packages) == directories

@@ -5,8 +5,8 @@ stream chunks."""
 import json
 import math
 
-from engine.outputs import TokenLogprob
-from router.logprobs import chat_logprobs, completion_logprobs
+from pdserve.engine.outputs import TokenLogprob
+from pdserve.router.logprobs import chat_logprobs, completion_logprobs
 
 
 class Letters:

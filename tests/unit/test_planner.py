@@ -9,11 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.autoscaler import Autoscaler
-from cluster.planner.search import SLO, make_plan, phase_curve
-from cluster.planner.simulator import attainment, simulate
-from cluster.planner.workload import SimRequest, load_trace, poisson
-from engine.profile import Profile, fit_colocated, fit_decode, fit_prefill
+from pdserve.cluster.autoscaler import Autoscaler
+from pdserve.cluster.planner.search import SLO, make_plan, phase_curve
+from pdserve.cluster.planner.simulator import attainment, simulate
+from pdserve.cluster.planner.workload import SimRequest, load_trace, poisson
+from pdserve.engine.profile import Profile, fit_colocated, fit_decode, fit_prefill
 
 # A plausible one-core profile: ~2.5 ms per prompt token, decode steps of 30 ms + 1.5 ms/request
 PROFILE = Profile("test", (0.02, 0.0025, 1e-8), (0.03, 0.0015, 2e-6), 46080, 1.5e9,
@@ -86,8 +86,8 @@ def test_the_decode_fit_minimises_relative_error_so_small_steps_count_as_much_as
     """The largest profiled step (64 rows) measured 10% long: fitted by relative error, the
     one-row steps' predictions move under 0.5%; by absolute least squares, the largest step
     sets the fit and they move about twice as far, over 0.8%."""
-    from cluster.planner.profiler import DECODE_SHAPES
-    from engine.profile import fit_nonnegative
+    from pdserve.cluster.planner.profiler import DECODE_SHAPES
+    from pdserve.engine.profile import fit_nonnegative
 
     def truth(b, c):
         return 0.03 + 0.0005 * b + 3e-6 * c + 1e-5 * b * b
@@ -291,7 +291,7 @@ def test_a_colocated_engine_takes_each_steps_own_model():
 
 
 def test_prefill_seconds_chunks_under_the_budget_and_mixing_costs_more():
-    from engine.profile import prefill_seconds
+    from pdserve.engine.profile import prefill_seconds
 
     profile = Profile("m", (0.01, 0.001, 0.0), (0.005, 0.0005, 0.00001), 1000, 1e9, max_num_batched_tokens=100)
     # closed form: 250 tokens = chunks of 100, 100, 50, each p0 + p1 * chunk
@@ -315,7 +315,7 @@ def test_attention_over_kv_already_in_the_cache_costs_the_k_term():
     them): 44 tokens over a 256-token cached prefix (K = 44 x 256) on a prefill instance and,
     locally, on the decode instance; and a 250-token prompt in chunks of 100 (K = 100 x 100
     + 50 x 200)."""
-    from engine.profile import prefill_seconds
+    from pdserve.engine.profile import prefill_seconds
 
     profile = Profile("hand", (0.1, 0.001, 0.0, 1e-6), (0.01, 0.002, 1e-5), 1000, 1e6, max_num_batched_tokens=512,
                       colocated_coeffs=(0.1, 0.001, 0.0, 0.002, 1e-5, 0.0, 0.0, 1e-6))
@@ -328,7 +328,7 @@ def test_attention_over_kv_already_in_the_cache_costs_the_k_term():
     chunked = replace(profile, max_num_batched_tokens=100)
     assert prefill_seconds(chunked, 250) == pytest.approx(3 * 0.1 + 0.25 + (100 * 100 + 50 * 200) * 1e-6)
     # a step log's K is priced the same way by calibration
-    from cluster.planner.calibrate import predicted_s
+    from pdserve.cluster.planner.calibrate import predicted_s
 
     assert predicted_s(profile, {"T": 44, "Q": 44 * 300, "K": 44 * 256, "B": 0, "C": 0}) == pytest.approx(
         0.1 + 0.044 + 44 * 256e-6)
@@ -338,7 +338,7 @@ def test_attention_over_kv_already_in_the_cache_costs_the_k_term():
 def test_the_k_terms_are_fitted_on_steps_over_a_cached_prefix():
     """Steps over a cached prefix that took the fresh model plus 2e-6 s (prefill) and 3e-6 s
     (mixed) per unit of K: the profiler's fit recovers both terms and leaves the rest."""
-    from cluster.planner.profiler import with_cached_attention
+    from pdserve.cluster.planner.profiler import with_cached_attention
 
     fresh = Profile("m", (0.02, 0.001, 1e-7), (0.03, 0.002, 1e-6), 1000, 1e9,
                     colocated_coeffs=(0.03, 0.001, 1e-7, 0.002, 1e-6, 0.0, 0.01))
@@ -363,7 +363,7 @@ def test_a_short_uncached_tail_is_prefilled_on_the_decode_instance():
 
 
 def test_prefix_hits_raise_what_one_prefill_instance_sustains():
-    from cluster.planner.workload import with_hit_rate
+    from pdserve.cluster.planner.workload import with_hit_rate
 
     slo = SLO(8.0, 0.2)  # one 2048-token prompt alone takes ~5 s here
     work = poisson(1.0, 50, [(1024, 16), (2048, 16)], seed=5)
@@ -373,7 +373,7 @@ def test_prefix_hits_raise_what_one_prefill_instance_sustains():
 
 
 def test_hit_rates_given_and_measured():
-    from cluster.planner.workload import hit_rate, with_hit_rate
+    from pdserve.cluster.planner.workload import hit_rate, with_hit_rate
 
     requests = [SimRequest(0, 100, 1), SimRequest(1, 17, 1), SimRequest(2, 16, 1)]
     # whole 16-token blocks, never the last token
@@ -405,7 +405,7 @@ def test_the_autoscaler_wants_fewer_prefill_workers_when_prompts_hit_the_cache()
 
 
 def test_calibration_recovers_how_much_slower_serving_steps_are():
-    from cluster.planner.calibrate import MIN_STEPS, calibrate
+    from pdserve.cluster.planner.calibrate import MIN_STEPS, calibrate
 
     profile = Profile("m", (0.02, 0.001, 1e-7), (0.03, 0.002, 1e-6), 1000, 1e9,
                       colocated_coeffs=(0.03, 0.001, 1e-7, 0.002, 1e-6))
@@ -435,7 +435,7 @@ def test_calibration_recovers_how_much_slower_serving_steps_are():
 def test_calibration_matches_the_steps_total_time_not_the_typical_step():
     """A TPOT is a sum of steps: the calibrated model must reproduce the steps' total even
     when a few of them (preempted, or the large ones) ran much slower than the rest."""
-    from cluster.planner.calibrate import calibrate
+    from pdserve.cluster.planner.calibrate import calibrate
 
     profile = Profile("m", (0.02, 0.001, 1e-7), (0.03, 0.002, 1e-6), 1000, 1e9)
     shapes = [(b, b * 300) for b in (1, 2, 4, 8, 16, 32, 48, 64)] * 3
@@ -450,7 +450,7 @@ def test_calibration_matches_the_steps_total_time_not_the_typical_step():
 
 
 def test_prefill_rate_is_the_prompt_tokens_a_second_the_prefill_engines_computed_during_a_step():
-    from cluster.planner.calibrate import prefill_rate
+    from pdserve.cluster.planner.calibrate import prefill_rate
 
     steps = [{"name": "prefill", "pid": 1, "t": 0.0, "s": 1.0, "T": 100},  # 100 tokens/s
              {"name": "prefill", "pid": 1, "t": 1.5, "s": 1.0, "T": 300},
@@ -464,7 +464,7 @@ def test_prefill_rate_is_the_prompt_tokens_a_second_the_prefill_engines_computed
 def test_prefill_rate_of_a_pooled_log_averages_only_over_the_engines_alive_beside_the_step():
     """Two services one after another (a prefill engine each) pooled into one log: each
     decode step's rate is its own service's prefill engine's, not halved by the other's."""
-    from cluster.planner.calibrate import prefill_rate
+    from pdserve.cluster.planner.calibrate import prefill_rate
 
     first = [{"name": "prefill", "pid": 1, "t": 0.0, "s": 2.0, "T": 600},  # 300 tokens/s
              {"name": "decode", "pid": 2, "t": 0.5, "s": 1.0}]
@@ -498,7 +498,7 @@ def test_decode_calibration_fits_one_factor_and_co_tenancy():
     """Serving slowed every decode step 1.3x, and more while the prefill engine computed:
     calibration recovers the factor and the co-tenancy term, so predicts steps of any batch,
     busy or not, and keeps the steps' total."""
-    from cluster.planner.calibrate import calibrate
+    from pdserve.cluster.planner.calibrate import calibrate
 
     profile = Profile("m", (0.02, 0.001, 1e-7), (0.03, 0.002, 1e-6), 1000, 1e9)
     steps = _serving_decode_log(profile, factor=1.3, cotenancy=2e-4)
@@ -518,7 +518,7 @@ def test_decode_calibration_fits_one_factor_and_co_tenancy():
 
 
 def _busy(steps):
-    from cluster.planner.calibrate import prefill_rate
+    from pdserve.cluster.planner.calibrate import prefill_rate
 
     return prefill_rate(steps)
 
@@ -526,7 +526,7 @@ def _busy(steps):
 def test_decode_steps_with_no_prefill_engine_beside_them_take_one_factor():
     """A log with no prefill engine in it cannot tell co-tenancy from the steps' own speed:
     the whole decode model is scaled by the total's ratio, no terms, no co-tenancy."""
-    from cluster.planner.calibrate import calibrate
+    from pdserve.cluster.planner.calibrate import calibrate
 
     profile = Profile("m", (0.02, 0.001, 1e-7), (0.03, 0.002, 1e-6), 1000, 1e9)
     steps = [{"T": 0, "Q": 0, "B": 8, "C": 1600, "s": 1.3 * profile.decode_step_s(8, 1600)}] * 10
@@ -562,7 +562,7 @@ def test_mixed_steps_take_the_decode_steps_co_tenancy_and_a_factor_of_their_own(
     decode's k, so a mixed step beside no prefill is predicted at 1.2x, beside one at the
     truth -- where one factor over the mixed steps, all logged beside a prefill, would carry
     that co-tenancy to every mixed step."""
-    from cluster.planner.calibrate import calibrate
+    from pdserve.cluster.planner.calibrate import calibrate
 
     profile = Profile("m", (0.02, 0.001, 1e-7), (0.03, 0.002, 1e-6), 1000, 1e9,
                       colocated_coeffs=(0.03, 0.001, 1e-7, 0.002, 1e-6, 0.0, 0.01))
@@ -611,7 +611,7 @@ def test_mixed_steps_slowed_more_when_small_fit_a_size_exponent_that_predicts_ot
     """Serving slowed a colocated engine's mixed steps as 1.5 x M ** 0.85 (exponent 0.15):
     calibrated on steps of 0.1-1 s, the model predicts steps of 0.03 s and of 6 s, outside
     that range, within 1%, where one factor over the same steps misses both by over 15%."""
-    from cluster.planner.calibrate import MIN_SIZE_SPREAD, calibrate
+    from pdserve.cluster.planner.calibrate import MIN_SIZE_SPREAD, calibrate
 
     profile = Profile("m", (0.02, 0.001, 1e-7), (0.03, 0.002, 1e-6), 1000, 1e9,
                       colocated_coeffs=(0.03, 0.001, 1e-7, 0.002, 1e-6, 0.0, 0.01))
@@ -656,7 +656,7 @@ def test_a_profiles_size_exponent_is_checked_and_saved(tmp_path):
 
 
 def test_speed_change_is_the_later_logs_slowdown_over_the_earlier_ones_kind_by_kind():
-    from cluster.planner.calibrate import MIN_STEPS, speed_change
+    from pdserve.cluster.planner.calibrate import MIN_STEPS, speed_change
 
     profile = Profile("m", (0.02, 0.001, 1e-7), (0.03, 0.002, 1e-6), 1000, 1e9)
 
@@ -685,7 +685,7 @@ def test_a_first_token_overhead_delays_every_first_token_and_no_later_one():
 
 
 def test_first_token_calibration_takes_the_median_gap_and_replaces_an_earlier_one(tmp_path):
-    from cluster.planner.calibrate import with_first_token_overhead
+    from pdserve.cluster.planner.calibrate import with_first_token_overhead
 
     profile = Profile("m", (0.02, 0.001, 1e-7), (0.03, 0.002, 1e-6), 1000, 1e9)
     work = [SimRequest(0.5 * i, 100 + 50 * i, 4) for i in range(9)]
@@ -716,7 +716,7 @@ def test_first_token_calibration_takes_the_median_gap_and_replaces_an_earlier_on
 
 
 def test_cpu_split_shares_each_engines_step_time_between_its_thread_its_process_and_the_rest():
-    from cluster.planner.calibrate import calibrate, cpu_split
+    from pdserve.cluster.planner.calibrate import calibrate, cpu_split
 
     steps = [{"name": "decode", "s": 0.10, "u": 0.08, "p": 0.09},  # 80% own, 10% threads, 10% other
              {"name": "decode", "s": 0.30, "u": 0.24, "p": 0.27},

@@ -3,8 +3,8 @@ stand-in for the worker's state)."""
 
 from types import SimpleNamespace
 
-from decode_worker.service import DecodeService
-from engine.profile import Profile
+from pdserve.decode_worker.service import DecodeService
+from pdserve.engine.profile import Profile
 
 # prefill: 5 ms + 0.1 ms/token per step; a running decode adds 1 ms per request per step
 PROFILE = Profile("m", (0.005, 0.0001, 0.0), (0.002, 0.001, 0.0), kv_bytes_per_token=100_000,

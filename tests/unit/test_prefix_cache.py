@@ -8,11 +8,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.block_hash import prefix_hashes, root_hash
-from engine.block_manager import BlockManager
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.engine.block_hash import prefix_hashes, root_hash
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.request import Request
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 
 NUM_BLOCKS, BS = 12, 4
 BASES = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 9, 9, 9, 9], [7] * 13]  # overlapping prefixes

@@ -4,9 +4,9 @@ profiled at 105 ms instead of 4.2 s)."""
 
 import pytest
 
-from cluster.planner import profiler
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from pdserve.cluster.planner import profiler
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
 
 
 @pytest.fixture(scope="module")

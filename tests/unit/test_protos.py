@@ -19,7 +19,7 @@ def test_importing_protos_never_runs_protoc_or_writes():
     code = ("import grpc_tools.protoc as p\n"
             "def refuse(*args): raise AssertionError('protoc ran on import')\n"
             "p.main = refuse\n"
-            "import protos, protos.convert, protos.channel")
+            "import protos, protos.convert, rpc.channel")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
     after = {p: p.stat().st_mtime_ns for p in (ROOT / "protos").iterdir()}
     assert {p for p in after if p.name != "__pycache__"} == {p for p in before if p.name != "__pycache__"}
@@ -31,9 +31,9 @@ def test_message_dict_turns_worker_stats_into_plain_values():
     transfer messages included, which a flat field copy could not convert."""
     import json
 
-    from protos import pdserve_pb2 as pb
-    from protos.convert import message_dict
-    from worker_base.telemetry import TransferCounters
+    from pdserve.protos import pdserve_pb2 as pb
+    from pdserve.protos.convert import message_dict
+    from pdserve.worker_base.telemetry import TransferCounters
 
     counters = TransferCounters()
     counters.succeeded("torch", "send", 100, 0.5)

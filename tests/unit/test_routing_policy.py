@@ -2,9 +2,9 @@
 
 import pytest
 
-from protos import pdserve_pb2 as pb
-from router.policies import CacheAware, CacheAwareWeights, LeastLoaded, RouteRequest, make_policy
-from router.registry import WorkerView
+from pdserve.protos import pdserve_pb2 as pb
+from pdserve.router.policies import CacheAware, CacheAwareWeights, LeastLoaded, RouteRequest, make_policy
+from pdserve.router.registry import WorkerView
 
 
 def view(worker_id: str, role: str = "decode", running: int = 0, queued: int = 0, free: int = 100,

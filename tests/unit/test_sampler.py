@@ -4,8 +4,8 @@ import math
 
 import torch
 
-from engine.sampler import sample
-from engine.sampling_params import SamplingParams
+from pdserve.engine.sampler import sample
+from pdserve.engine.sampling_params import SamplingParams
 
 
 def logits_batch(rows=6, vocab=500, seed=0):

@@ -3,10 +3,10 @@
 import subprocess
 import sys
 
-from engine.block_manager import BlockManager
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 
 
 def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=16, max_model_len=128):

@@ -4,7 +4,7 @@ preemption, or resumed from this worker's prefix cache, sends nothing twice and 
 
 import random
 
-from prefill_worker.service import _Shipment
+from pdserve.prefill_worker.service import _Shipment
 
 
 def shipped_positions(shipment: _Shipment, chunks: list[tuple[int, int]], layer: int = 0) -> list[int]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.cli import main
-from cluster.cli_service import CLEAR_SCREEN, watch_status
+from pdserve.cluster.cli import main
+from pdserve.cluster.cli_service import CLEAR_SCREEN, watch_status
 
 
 def status(running: int) -> dict:

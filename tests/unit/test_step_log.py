@@ -6,11 +6,11 @@ import asyncio
 
 import pytest
 
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.step_log import ENV, StepLog, StepShape, read_step_logs
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.step_log import ENV, StepLog, StepShape, read_step_logs
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ import types
 import pytest
 import torch
 
-from cluster import actors
-from cluster.cli_service import _dtypes
+from pdserve.cluster import actors
+from pdserve.cluster.cli_service import _dtypes
 
 
 def _status(prefill: list[str], decode: list[str]) -> dict:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import grpc
 
-from protos import tracing
-from protos.security import Security, TokenCheck, client_interceptors
+from pdserve.rpc import tracing
+from pdserve.rpc.security import Security, TokenCheck, client_interceptors
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 KEEPALIVE_TIME_MS = 10_000
