@@ -6,4 +6,10 @@ how, and the test suite checks they match the .proto). Importing this package on
 
 from pdserve.protos import pdserve_pb2, pdserve_pb2_grpc
 
-__all__ = ["pdserve_pb2", "pdserve_pb2_grpc"]
+# The KV transports a request's `kv_transport` field may name, declared once for every layer
+# (the router cannot import kv_transfer, which loads torch); the first is the default.
+# kv_transfer's registry maps each name to its implementation.
+KV_TRANSPORTS = ("torch", "grpc")
+DEFAULT_KV_TRANSPORT = KV_TRANSPORTS[0]
+
+__all__ = ["DEFAULT_KV_TRANSPORT", "KV_TRANSPORTS", "pdserve_pb2", "pdserve_pb2_grpc"]
