@@ -1,1 +1,1 @@
-"""pdserve cluster (see shared DESIGN.md)."""
+"""pdserve cluster (see docs/design.md)."""

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+from typing import TYPE_CHECKING
 
 from pdserve.protos.convert import message_dict
 from pdserve.rpc import tracing
+
+if TYPE_CHECKING:
+    from pdserve.router.config import RouterConfig
 
 
 def _pin_threads(cpu_affinity: list[int] | None) -> int:
@@ -122,10 +126,9 @@ class RouterActor:
         self.url = ""
         self._memo: dict = {}  # the controller's decisions (targets, pins), kept here to outlive it
 
-    async def start(self, router_kwargs: dict, controller_name: str, namespace: str) -> str:
+    async def start(self, config: RouterConfig, controller_name: str, namespace: str) -> str:
         import ray
 
-        from pdserve.router.app import RouterConfig
         from pdserve.router.server import make_server
 
         controller = ray.get_actor(controller_name, namespace=namespace)
@@ -134,7 +137,6 @@ class RouterActor:
             # bounded: while the controller restarts, the registry keeps its last membership
             return await asyncio.wait_for(controller.members.remote(), 10)
 
-        config = RouterConfig(**router_kwargs)
         self.server = make_server(config, members, controller)
         loop = asyncio.get_running_loop()
         self.task = loop.create_task(self.server.serve())

@@ -8,6 +8,8 @@ from pathlib import Path
 import yaml
 
 DEFAULT_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "workloads" / "online-poisson.jsonl"
+_SIMULATED = {"local_prefill_max_tokens": "the decode workers' setting, simulated: they prefill a prompt themselves "
+                                          "when their cache lacks at most this many tokens"}
 
 
 def add_commands(sub) -> None:
@@ -52,12 +54,28 @@ def add_commands(sub) -> None:
     plan.add_argument("--prefix-hit-rate", type=float, default=None,
                       help="fraction of prompt tokens found in prefix caches, e.g. `pdserve status`'s cache "
                            "hits (default: measured from the trace's token ids; 0 when it has only lengths)")
-    plan.add_argument("--local-prefill-max-tokens", type=int, default=256,
-                      help="decode workers prefill a prompt themselves when their cache lacks at most this "
-                           "many tokens (the workers' setting; default: 256)")
+    from pdserve.engine.arg_utils import add_config_args
+    from pdserve.worker_base.config import WorkerSettings
+
+    add_config_args(plan, WorkerSettings, exclude=_not_simulated(), helps=_SIMULATED)
     plan.add_argument("--out", default="plan.yaml", help="plan to write (for `pdserve up/scale --plan`)")
     plan.add_argument("--png", default=None, help="attainment-vs-rate plot (default: beside --out)")
     plan.set_defaults(func=_plan)
+
+
+def _not_simulated() -> tuple[str, ...]:
+    """The workers' settings (WorkerSettings) that `pdserve plan` does not simulate."""
+    from pdserve.worker_base.config import WorkerSettings
+
+    return tuple(name for name in WorkerSettings.model_fields if name not in _SIMULATED)
+
+
+def _simulated_settings(args):
+    """The workers' settings `pdserve plan` simulates, from its flags (the others' defaults)."""
+    from pdserve.engine.arg_utils import config_from_args
+    from pdserve.worker_base.config import WorkerSettings
+
+    return config_from_args(WorkerSettings, args, exclude=_not_simulated())
 
 
 def _seconds(text: str) -> float:
@@ -130,8 +148,7 @@ def _plan(args) -> int:
     trace = load_trace(args.trace or DEFAULT_TRACE)
     if args.prefix_hit_rate is not None:
         trace = with_hit_rate(trace, args.prefix_hit_rate)
-    if args.local_prefill_max_tokens < 0:
-        raise ValueError("--local-prefill-max-tokens must be >= 0")
+    _simulated_settings(args)  # ValueError naming the flag of a bad value
     rate = args.rate or trace_rate(trace)
     slo = SLO(args.ttft_slo, args.tpot_slo, args.percentile)
     plan = make_plan(profile, slo, rate, trace, local_prefill_max_tokens=args.local_prefill_max_tokens)

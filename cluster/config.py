@@ -1,9 +1,12 @@
 """The deployment config (YAML, validated with pydantic at this edge) and what each
 component's frozen config is built from. A bad field is reported by its dotted path.
 
-The defaults live here and describe one machine (workers on loopback); `pdserve up` with no
-`--config` uses them. `deploy/local.yaml` is a documented copy of them (a test keeps it
-equal), and `deploy/cluster-serve.yaml` is the starting point for a multi-node cluster."""
+The defaults describe one machine (workers on loopback); `pdserve up` with no `--config` uses
+them. Each setting is declared once: the router's in router.config (RouterSettings), the
+workers' in worker_base.config (WorkerSettings, whose fields this top level carries), the
+rest here; `router_config()` and `worker_kwargs()` build the processes' configs from them.
+`deploy/local.yaml` is a documented copy of the defaults (a test keeps it equal), and
+`deploy/cluster-serve.yaml` is the starting point for a multi-node cluster."""
 
 from __future__ import annotations
 
@@ -15,8 +18,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pdserve.engine.config import DEFAULT_MODEL, EngineConfig
-from pdserve.router.policies import CacheAwareWeights
+from pdserve.protos import DEFAULT_KV_TRANSPORT
+from pdserve.router.config import KVTransport, ModelName, RouterConfig, RouterSettings, ServedModelName
 from pdserve.rpc.security import TOKEN_ENV, Security, new_token, resolve_token
+from pdserve.worker_base.config import WorkerConfig, WorkerSettings
 
 
 class PoolSpec(BaseModel):
@@ -42,37 +47,6 @@ class PoolSpec(BaseModel):
         except TypeError as exc:
             raise ValueError(str(exc)) from None
         return value
-
-
-class CacheAwareSpec(BaseModel):
-    """The cache-aware policy's exchange rates, in prompt tokens (router.policies.CacheAwareWeights)."""
-
-    model_config = ConfigDict(extra="forbid")
-    request_tokens: int = Field(CacheAwareWeights.request_tokens, ge=0,
-                                description="what one open request on a decode worker is worth")
-    kv_tokens: int = Field(CacheAwareWeights.kv_tokens, ge=0, description="what a full KV cache is worth")
-
-
-class RouterSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    routing: Literal["cache-aware", "least-loaded", "round-robin"] = Field(
-        "cache-aware", description="cache-aware: where the prompt's KV is cached, traded against load")
-    cache_aware: CacheAwareSpec = Field(default_factory=lambda: CacheAwareSpec())
-    max_inflight_requests: int = Field(256, ge=1)
-    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
-    admin_token: str | None = Field(None, description="bearer token for /admin (or env PDSERVE_ADMIN_TOKEN)")
-    request_timeout_s: float = Field(600.0, gt=0)
-    max_migrations: int = Field(2, ge=0, description="times a request whose decode worker fails mid-stream is "
-                                                     "resumed on another (0: the client gets the error)")
-    migration_wait_s: float = Field(30.0, ge=0, description="how long a request whose decode worker failed waits "
-                                    "for another to become routable (e.g. the replacement) before failing")
-    api_keys: list[str] | None = Field(None, description="bearer keys /v1 requires (or env PDSERVE_API_KEY, "
-                                                         "comma-separated); none: /v1 is open")
-    metrics_require_key: bool = Field(False, description="/metrics requires an API key too")
-    https_cert_file: str | None = Field(None, description="serve HTTPS with this certificate (PEM)")
-    https_key_file: str | None = Field(None, description="the HTTPS certificate's key (PEM)")
 
 
 class TLSSpec(BaseModel):
@@ -103,24 +77,16 @@ class AutoscalerSpec(BaseModel):
     min_samples: int = Field(5, ge=1)
 
 
-class ServeConfig(BaseModel):
+class ServeConfig(WorkerSettings):
+    """The deployment. Its top level carries the workers' settings (WorkerSettings' fields);
+    `router` is the router's (RouterSettings)."""
+
     model_config = ConfigDict(extra="forbid")
-    model: str = Field(DEFAULT_MODEL, description="model name, checkpoint dir, .gguf, or cached hub id")
-    served_model_name: str | None = Field(None, description="name clients send (default: model)")
-    kv_transport: Literal["torch", "grpc"] = "torch"
-    kv_transfer_timeout_s: float = Field(60.0, gt=0)
-    kv_send_deadline_s: float = Field(5.0, gt=0, description="a prefill worker fails a request's leg when its "
-                                      "decode worker takes no KV piece for this long (it stopped reading)")
-    local_prefill_max_tokens: int = Field(256, ge=0, description="a decode worker prefills a request itself when "
-                                          "its prefix cache lacks at most this many prompt tokens")
-    max_queued_requests: int = Field(1024, ge=1, description="a worker refuses new requests past this many waiting "
-                                     "(decode: for KV blocks or a batch slot, and the router retries another, then "
-                                     "answers 429; prefill: legs open, and the decode worker tries another "
-                                     "prefill worker, then prefills itself)")
-    prefill_profile: str | None = Field(None, description="`pdserve profile` JSON: decode workers then also "
-                                        "prefill longer tails themselves when its latency model says it is faster")
-    worker_host: str | None = Field("127.0.0.1", description="address workers listen on; null: each node's IP "
-                                    "(what a multi-node cluster needs)")
+    model: ModelName = DEFAULT_MODEL
+    served_model_name: ServedModelName = None
+    kv_transport: KVTransport = DEFAULT_KV_TRANSPORT
+    worker_host: str | None = Field(WorkerConfig.model_fields["host"].default, description="address workers "
+                                    "listen on; null: each node's IP (what a multi-node cluster needs)")
     health_check_interval_s: float = Field(1.0, gt=0)
     drain_timeout_s: float = Field(300.0, gt=0)
     cluster_token: str | None = Field(None, repr=False,
@@ -130,7 +96,7 @@ class ServeConfig(BaseModel):
     env: dict[str, str] = Field(default_factory=dict,
                                 description="environment of worker processes (KV pairs bind each worker's own "
                                             "address: no GLOO_SOCKET_IFNAME needed)")
-    router: RouterSpec = Field(default_factory=RouterSpec)
+    router: RouterSettings = Field(default_factory=RouterSettings)
     prefill: PoolSpec = Field(default_factory=PoolSpec)
     decode: PoolSpec = Field(default_factory=PoolSpec)
     autoscaler: AutoscalerSpec = Field(default_factory=AutoscalerSpec)
@@ -159,14 +125,26 @@ class ServeConfig(BaseModel):
     def engine_kwargs(self, role: str) -> dict:
         return {"model": self.model, **self.pool(role).engine}
 
-    def admin_token(self) -> str | None:
-        return self.router.admin_token or os.environ.get("PDSERVE_ADMIN_TOKEN")
-
     def security(self) -> Security:
         """The processes' credentials; ValueError when no cluster token is set (see `with_token`)."""
         tls = self.tls
         return Security(resolve_token(self.cluster_token), tls.cert_file if tls else None,
                         tls.key_file if tls else None, tls.ca_file if tls else None)
+
+    def router_config(self) -> RouterConfig:
+        """The router's config: `router` and the deployment's part, with the environment's
+        fallbacks (RouterConfig.with_environment); ValueError without a cluster token."""
+        return RouterConfig(**dict(self.router), model=self.model, served_model_name=self.name,
+                            kv_transport=self.kv_transport, security=self.security(),
+                            ttft_slo_s=self.autoscaler.ttft_slo_s, tpot_slo_s=self.autoscaler.tpot_slo_s,
+                            otlp_traces_endpoint=self.tracing.otlp_endpoint).with_environment()
+
+    def worker_kwargs(self) -> dict:
+        """What each worker's WorkerConfig is built from; without `host` when `worker_host` is
+        null (the worker then listens on its node's IP). ValueError without a cluster token."""
+        kwargs = {**{name: getattr(self, name) for name in WorkerSettings.model_fields},
+                  "security": self.security(), "otlp_traces_endpoint": self.tracing.otlp_endpoint}
+        return {**kwargs, "host": self.worker_host} if self.worker_host else kwargs
 
     def with_token(self) -> ServeConfig:
         """This config with a cluster token: the configured one, the environment's, or a new one."""

@@ -35,8 +35,6 @@ from pdserve.cluster.actors import RouterActor, WorkerActor
 from pdserve.cluster.config import ServeConfig
 from pdserve.cluster.recovery import NAMESPACE, ROLES, ROUTER_NAME, WORKER_PREFIX, Recovery, WorkerRecord
 from pdserve.engine.logs import setup_logging
-from pdserve.router.auth import api_keys_from
-from pdserve.router.policies import CacheAwareWeights
 
 logger = logging.getLogger(__name__)
 CONTROLLER_NAME = "pdserve-controller"
@@ -85,24 +83,11 @@ class Controller(Recovery):
             self._autoscale_task = loop.create_task(self._autoscale_loop())
 
     async def _start_router(self) -> None:
-        cfg = self.config
-        router_kwargs = dict(model=cfg.model, served_model_name=cfg.name, host=cfg.router.host,
-                             port=cfg.router.port, routing=cfg.router.routing,
-                             cache_aware=CacheAwareWeights(**cfg.router.cache_aware.model_dump()),
-                             max_inflight_requests=cfg.router.max_inflight_requests,
-                             max_body_bytes=cfg.router.max_body_bytes, admin_token=cfg.admin_token(),
-                             kv_transport=cfg.kv_transport, request_timeout_s=cfg.router.request_timeout_s,
-                             max_migrations=cfg.router.max_migrations,
-                             migration_wait_s=cfg.router.migration_wait_s,
-                             security=cfg.security(), api_keys=api_keys_from(cfg.router.api_keys),
-                             otlp_traces_endpoint=cfg.tracing.otlp_endpoint,
-                             metrics_require_key=cfg.router.metrics_require_key,
-                             https_cert_file=cfg.router.https_cert_file, https_key_file=cfg.router.https_key_file,
-                             ttft_slo_s=cfg.autoscaler.ttft_slo_s, tpot_slo_s=cfg.autoscaler.tpot_slo_s)
+        router_config = self.config.router_config()
         self.router = ray.remote(RouterActor).options(
             name=ROUTER_NAME, namespace=NAMESPACE, num_cpus=0, lifetime="detached", resources=ON_HEAD,
-            runtime_env={"env_vars": dict(cfg.env)}).remote()
-        self.router_url = await self.router.start.remote(router_kwargs, CONTROLLER_NAME, NAMESPACE)
+            runtime_env={"env_vars": dict(self.config.env)}).remote()
+        self.router_url = await self.router.start.remote(router_config, CONTROLLER_NAME, NAMESPACE)
         self._remember()
 
     async def shutdown(self) -> None:
@@ -282,15 +267,8 @@ class Controller(Recovery):
         ).remote(role)
         record = WorkerRecord(role, handle, next(self._keys), name=name)
         self.workers[record.key] = record
-        worker_kwargs = {"kv_transfer_timeout_s": cfg.kv_transfer_timeout_s,
-                         "otlp_traces_endpoint": cfg.tracing.otlp_endpoint,
-                         "kv_send_deadline_s": cfg.kv_send_deadline_s, "security": cfg.security(),
-                         "local_prefill_max_tokens": cfg.local_prefill_max_tokens,
-                         "prefill_profile": cfg.prefill_profile, "max_queued_requests": cfg.max_queued_requests}
-        if cfg.worker_host:
-            worker_kwargs["host"] = cfg.worker_host
         asyncio.get_running_loop().create_task(
-            self._start(record, cfg.engine_kwargs(role), worker_kwargs, spec.cpu_affinity))
+            self._start(record, cfg.engine_kwargs(role), cfg.worker_kwargs(), spec.cpu_affinity))
 
     async def _start(self, w: WorkerRecord, engine_kwargs: dict, worker_kwargs: dict, cpu_affinity) -> None:
         if not await self._placed(w):

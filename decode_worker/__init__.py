@@ -1,1 +1,1 @@
-"""pdserve decode_worker (see shared DESIGN.md)."""
+"""pdserve decode_worker (see docs/design.md)."""

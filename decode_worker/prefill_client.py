@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -22,12 +23,15 @@ import grpc
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.kv_transfer.base import thread_safe_notifier
 from pdserve.kv_transfer.layout import KVLayout
-from pdserve.kv_transfer.reservations import TransferError
+from pdserve.kv_transfer.registry import KVTransports
+from pdserve.kv_transfer.reservations import ReservationTable, TransferError
 from pdserve.protos import pdserve_pb2 as pb
 from pdserve.protos import pdserve_pb2_grpc as pb_grpc
 from pdserve.protos.convert import logprob_from_proto, sampling_to_proto
 from pdserve.rpc import tracing
 from pdserve.rpc.channel import open_channel
+from pdserve.rpc.security import Security
+from pdserve.worker_base.telemetry import TransferCounters
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,19 @@ class Prefilled:
     prompt_logprobs: list[TokenLogprob] | None
 
 
+@dataclass(frozen=True)
+class DecodeSide:
+    """What a prefill leg needs from the decode worker that runs it."""
+
+    security: Security  # for channels to prefill workers
+    layout: KVLayout  # this worker's: a peer's must match
+    table: ReservationTable  # where arriving KV may land
+    transports: KVTransports  # this worker's, by name
+    transfers: TransferCounters  # successful receives are counted here
+    vocab_size: int  # a token or logprob id outside it is refused
+    reserved_blocks: Callable[[str], Awaitable[list[int]]]  # a request's reserved blocks (read between steps)
+
+
 @dataclass
 class PrefillPeer:
     address: str
@@ -53,15 +70,16 @@ class PrefillPeer:
 
 
 class PrefillClient:
-    def __init__(self, service) -> None:
-        self.service = service  # the DecodeService: engine, lock, table, transports
+    def __init__(self, decode: DecodeSide) -> None:
+        self.decode = decode
+        self.kv_bytes_received = 0  # by legs that completed
         self._peers: dict[str, PrefillPeer] = {}
         self._closing: set[asyncio.Task] = set()
 
     async def peer(self, address: str) -> PrefillPeer:
         peer = self._peers.get(address)
         if peer is None:
-            channel = open_channel(address, self.service.config.security)
+            channel = open_channel(address, self.decode.security)
             stub = pb_grpc.PrefillWorkerStub(channel)
             try:
                 info = await stub.Info(pb.InfoRequest(), timeout=10)
@@ -80,39 +98,32 @@ class PrefillClient:
         """Prefill remotely into the request's reserved blocks, of which the first
         `num_cached_tokens` positions hold KV already (shared cached blocks: only the rest is
         shipped)."""
-        service = self.service
-        try:
-            peer = await self.peer(address)
-        except grpc.aio.AioRpcError:
-            self._peers.pop(address, None)
-            raise
-        mismatch = service.layout.mismatch(peer.layout)
-        if mismatch:
-            raise TransferError(f"prefill worker {address}: {mismatch}")
+        peer = await self._checked_peer(address)
+        decode = self.decode
+        kv = decode.transports[transport]
         loop = asyncio.get_running_loop()
         kv_complete = loop.create_future()
-        async with service.aengine.lock:
-            block_table = list(service.engine.block_manager.block_table(request_id))
-        reservation = service.table.register(
-            request_id, block_table, len(ids), peer=peer.worker_id if transport == "torch" else "",
+        block_table = await decode.reserved_blocks(request_id)
+        reservation = decode.table.register(
+            request_id, block_table, len(ids), peer=kv.writer_for(peer.worker_id),
             on_done=thread_safe_notifier(loop, kv_complete), num_cached_tokens=num_cached_tokens)
         call = peer.stub.Prefill(metadata=tracing.metadata())  # the current span: the decode worker's prefill leg
+        kv_bytes = decode.layout.kv_bytes(len(ids) - num_cached_tokens)
         transfer = tracing.start_span("pdserve.kv_transfer", request_id=request_id, kv_transport=transport,
-                                      direction="receive", peer=peer.worker_id,
-                                      kv_bytes=service.layout.kv_bytes(len(ids) - num_cached_tokens))
+                                      direction="receive", peer=peer.worker_id, kv_bytes=kv_bytes)
         completed = False
         try:
             start = pb.PrefillRequest(
                 request_id=request_id, prompt_token_ids=ids, sampling=sampling_to_proto(params),
                 seed=params.seed, kv_transport=transport,
                 transfer_id=reservation.transfer_id, num_cached_tokens=num_cached_tokens,
-                kv_endpoint=service.torch_transport.accept(peer.worker_id) if transport == "torch" else "",
+                kv_endpoint=kv.endpoint_for(peer.worker_id),
             )
-            service.layout.to_proto(start.layout)
+            decode.layout.to_proto(start.layout)
             await call.write(pb.PrefillClientMessage(start=start))
             done = await self._receive_until_done(call, reservation.transfer_id)
-            first_logprob = self._first_logprob(done, params)
-            prompt_logprobs = self._prompt_logprobs(done, params, ids)
+            prefilled = Prefilled(done.first_token, done.prefill_worker_id, done.num_cached_tokens,
+                                  self._first_logprob(done, params), self._prompt_logprobs(done, params, ids))
             await kv_complete
             if reservation.error is not None:
                 raise TransferError(reservation.error)
@@ -120,20 +131,31 @@ class PrefillClient:
             await call.write(pb.PrefillClientMessage(ack=pb.KVAck(transfer_id=reservation.transfer_id, ok=True)))
             await call.done_writing()
             completed = True
-            service.kv_bytes_received += service.layout.kv_bytes(len(ids) - num_cached_tokens)
-            service.transfers.succeeded(transport, "receive", service.layout.kv_bytes(len(ids) - num_cached_tokens),
-                                        reservation.transfer_seconds)
-            return Prefilled(done.first_token, done.prefill_worker_id, done.num_cached_tokens, first_logprob,
-                             prompt_logprobs)
+            self.kv_bytes_received += kv_bytes
+            decode.transfers.succeeded(transport, "receive", kv_bytes, reservation.transfer_seconds)
+            return prefilled
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 self._forget(peer)
             raise
         finally:
             tracing.end(transfer, sys.exc_info()[1])
-            service.table.release(reservation.transfer_id)
+            decode.table.release(reservation.transfer_id)
             if not completed:
                 call.cancel()
+
+    async def _checked_peer(self, address: str) -> PrefillPeer:
+        """`peer(address)`, forgotten when it cannot be reached; TransferError when its KV
+        layout differs from this worker's."""
+        try:
+            peer = await self.peer(address)
+        except grpc.aio.AioRpcError:
+            self._peers.pop(address, None)
+            raise
+        mismatch = self.decode.layout.mismatch(peer.layout)
+        if mismatch:
+            raise TransferError(f"prefill worker {address}: {mismatch}")
+        return peer
 
     def _first_logprob(self, done: pb.PrefillDone, params) -> TokenLogprob | None:
         """The first token's logprob from `done`, checked, when the request asked for logprobs."""
@@ -143,7 +165,7 @@ class PrefillClient:
             raise TransferError("prefill worker sent no logprob for the first token of a request that asked")
         try:
             return logprob_from_proto(done.first_token, done.first_logprob,
-                                      self.service.engine.loaded.shape.vocab_size, params.logprobs)
+                                      self.decode.vocab_size, params.logprobs)
         except ValueError as exc:
             raise TransferError(f"prefill worker sent bad logprobs: {exc}") from None
 
@@ -154,7 +176,7 @@ class PrefillClient:
         if len(done.prompt_logprobs) != len(ids) - 1:
             raise TransferError(f"prefill worker sent {len(done.prompt_logprobs)} prompt logprobs for a prompt "
                                 f"of {len(ids)} tokens (expected {len(ids) - 1})")
-        vocab = self.service.engine.loaded.shape.vocab_size
+        vocab = self.decode.vocab_size
         try:
             return [logprob_from_proto(token, message, vocab, params.prompt_logprobs)
                     for token, message in zip(ids[1:], done.prompt_logprobs, strict=True)]
@@ -162,7 +184,7 @@ class PrefillClient:
             raise TransferError(f"prefill worker sent bad prompt logprobs: {exc}") from None
 
     async def _receive_until_done(self, call, transfer_id: int) -> pb.PrefillDone:
-        table = self.service.table
+        table = self.decode.table
         while True:
             message = await call.read()
             if message is grpc.aio.EOF:
@@ -171,7 +193,7 @@ class PrefillClient:
                 if message.done.num_cached_tokens >= max(message.done.num_prompt_tokens, 1):
                     raise TransferError(f"prefill worker claims {message.done.num_cached_tokens} cached "
                                         f"tokens of a {message.done.num_prompt_tokens}-token prompt")
-                vocab_size = self.service.engine.loaded.shape.vocab_size
+                vocab_size = self.decode.vocab_size
                 if message.done.first_token >= vocab_size:  # would break this worker's whole batch
                     raise TransferError(f"prefill worker sent first token {message.done.first_token}, "
                                         f"outside the vocabulary of {vocab_size}")

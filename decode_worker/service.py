@@ -1,6 +1,6 @@
 """The decode worker's gRPC service.
 
-A request's life here (DESIGN.md):
+A request's life here (docs/design.md, "Request lifecycle"):
 
     WAITING_FOR_BLOCKS ──blocks reserved──► WAITING_FOR_KV ──KV + first token──► RUNNING
          │                                     │   (prefill leg: try P1, then P2,      │
@@ -26,12 +26,12 @@ from collections import deque
 
 import grpc
 
-from pdserve.decode_worker.prefill_client import PrefillClient
+from pdserve.decode_worker.prefill_client import DecodeSide, PrefillClient
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.profile import Profile, prefill_seconds
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kv_transfer.base import check_transport_name
+from pdserve.kv_transfer.registry import resolve_transport_name
 from pdserve.kv_transfer.reservations import ReservationTable
 from pdserve.protos import pdserve_pb2 as pb
 from pdserve.protos import pdserve_pb2_grpc as pb_grpc
@@ -49,10 +49,13 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
 
     def __init__(self, engine: LLMEngine, config: WorkerConfig) -> None:
         super().__init__(engine, config)
-        self.table = ReservationTable(self.layout, engine.runner.kv_cache)
-        self.kv_endpoint = self.torch_transport.listen(self.table)
-        self.prefill = PrefillClient(self)
-        self._block_waiters: deque[tuple[str, int, asyncio.Future]] = deque()
+        self.admission = self.kv.scheduler_side  # reservations for KV prefilled elsewhere
+        self.table = ReservationTable(self.layout, self.kv.worker_side.cache_tensor)
+        self.kv_endpoint = self.transports.listen(self.table)
+        self.prefill = PrefillClient(DecodeSide(
+            config.security, self.layout, self.table, self.transports, self.transfers, engine.vocab_size,
+            self._reserved_blocks))
+        self._block_waiters: deque[tuple[str, list[int], asyncio.Future]] = deque()
         self._admissions: dict[str, asyncio.Task] = {}
         self._awaiting_kv: set[str] = set()  # blocks reserved, remote prefill leg not yet done
         self._seeds = random.Random()
@@ -60,7 +63,6 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
         self.prefill_decisions: dict[str, int] = {}  # "where/reason" -> count
         self._abort_requested: set[str] = set()
         self.profile = Profile.load(config.prefill_profile) if config.prefill_profile else None
-        self.kv_bytes_received = 0
 
     # ------------------------------------------------------------ lifecycle
     def add_to(self, server: grpc.aio.Server) -> None:
@@ -79,21 +81,13 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
         return self.kv_endpoint
 
     def _stats(self) -> pb.WorkerStats:
-        scheduler = self.engine.scheduler
-        queued = self._queued_prompt_tokens()
+        load = self.engine.load()
         return self._worker_stats(
-            num_waiting=len(scheduler.waiting) + len(self._block_waiters), num_running=len(scheduler.running),
-            num_waiting_for_kv=len(self._awaiting_kv), queued_prefill_tokens=queued,
+            load, num_waiting=load.num_waiting + len(self._block_waiters), num_running=load.num_running,
+            num_waiting_for_kv=len(self._awaiting_kv), queued_prefill_tokens=load.queued_prompt_tokens,
             num_failed_transfers=self.num_failed_legs, prefill_decisions=self.prefill_decisions,
-            kv_bytes_received=self.kv_bytes_received,
+            kv_bytes_received=self.prefill.kv_bytes_received,
         )
-
-    def _queued_prompt_tokens(self) -> int:
-        """Prompt tokens this worker has still to prefill itself."""
-        scheduler = self.engine.scheduler
-        return sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting) + sum(
-            r.num_prompt_tokens - r.num_computed_tokens for r in scheduler.running
-            if r.num_computed_tokens < r.num_prompt_tokens)
 
     async def Abort(self, request, context) -> pb.AbortReply:
         admission = self._admissions.get(request.request_id)
@@ -109,22 +103,29 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
             self._deliver(output)
         return pb.AbortReply(found=output is not None)
 
-    async def Generate(self, request: pb.GenerateRequest, context):
-        request_id = request.request_id
-        tracing.annotate(request_id=request_id, num_prompt_tokens=len(request.prompt_token_ids))
+    async def _accept(self, request: pb.GenerateRequest, context) -> tuple[list[int], SamplingParams, str]:
+        """The request's prompt, sampling params and KV transport; or the call aborted: this
+        worker draining (UNAVAILABLE), the request invalid (INVALID_ARGUMENT), its id in use
+        (ALREADY_EXISTS), `max_queued_requests` waiting already (RESOURCE_EXHAUSTED)."""
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker is draining")
         try:
             ids, params, transport = self._validate(request)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if request_id in self._admissions or request_id in self.aengine.listeners:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is in use")
-        waiting = len(self._block_waiters) + len(self.engine.scheduler.waiting)
+        if request.request_id in self._admissions or request.request_id in self.aengine.listeners:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {request.request_id!r} is in use")
+        waiting = len(self._block_waiters) + self.engine.num_waiting
         if waiting >= self.config.max_queued_requests:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"decode worker has {waiting} requests waiting for KV blocks or a batch slot "
                                 f"(max_queued_requests); retry later")
+        return ids, params, transport
+
+    async def Generate(self, request: pb.GenerateRequest, context):
+        request_id = request.request_id
+        tracing.annotate(request_id=request_id, num_prompt_tokens=len(request.prompt_token_ids))
+        ids, params, transport = await self._accept(request, context)
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.aengine.listeners[request_id] = outputs.put_nowait
         admission = asyncio.get_running_loop().create_task(
@@ -178,7 +179,7 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
         params = sampling_from_proto(request.sampling)
         if params.seed is None:  # resolve here so every prefill worker samples alike
             params = dataclasses.replace(params, seed=self._seeds.getrandbits(63))
-        transport = check_transport_name(request.kv_transport or "torch")
+        transport = resolve_transport_name(request.kv_transport)
         return ids, params, transport
 
     async def _admit(self, request_id: str, ids: list[int], params: SamplingParams, addresses: list[str],
@@ -187,7 +188,7 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
         worker's prefix cache lacks, or here) and admit it to the batch. Returns the
         first-token output when prefilled remotely (None when prefilled locally)."""
         async with self.aengine.lock:  # engine state is stable between steps
-            cached = self.engine.cached_prompt_tokens(ids) if addresses else 0
+            cached = self.admission.cached_tokens(ids) if addresses else 0
             where, reason = self._where_to_prefill(len(ids), cached, bool(addresses), prefill_queued_tokens)
         self._decided(where, reason)
         tracing.annotate(prefill_where=where, prefill_reason=reason)
@@ -204,7 +205,7 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
             logger.warning("request_id=%s prefilling locally after remote failures", request_id)
             self._decided("local", "remote_failed")
         async with self.aengine.lock:
-            self.engine.release_blocks(request_id)
+            self.admission.release(request_id)
             self.engine.add_request(request_id, ids, params, detokenize=False)
         self.aengine.wake()
         return None, "local"
@@ -230,9 +231,9 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
                                address, str(exc) or type(exc).__name__)  # a timeout's str() is ""
                 continue
             async with self.aengine.lock:
-                output = self.engine.add_prefilled_request(request_id, ids, params, prefilled.first_token,
-                                                           prefilled.num_cached_tokens, prefilled.first_logprob,
-                                                           prefilled.prompt_logprobs)
+                output = self.admission.admit(request_id, ids, params, prefilled.first_token,
+                                              prefilled.num_cached_tokens, prefilled.first_logprob,
+                                              prefilled.prompt_logprobs)
             self.aengine.wake()
             self._serve_block_waiters()  # it may have finished at once, freeing blocks
             return output, prefilled.prefill_worker_id
@@ -251,9 +252,9 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
         if uncached <= self.config.local_prefill_max_tokens:
             return "local", "few_uncached_tokens"
         if self.profile is not None:
-            running = self.engine.scheduler.running
-            here = prefill_seconds(self.profile, self._queued_prompt_tokens() + uncached, len(running),
-                                   sum(r.num_tokens for r in running))  # mixed with this batch's decodes
+            load = self.engine.load()
+            here = prefill_seconds(self.profile, load.queued_prompt_tokens + uncached, load.num_running,
+                                   load.running_tokens)  # mixed with this batch's decodes
             there = prefill_seconds(self.profile, prefill_queued_tokens + uncached) + self.profile.transfer_s(uncached)
             return ("local", "latency_model") if here <= there else ("remote", "latency_model")
         return "remote", "many_uncached_tokens"
@@ -279,30 +280,29 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
             asyncio.get_running_loop().create_task(self._try_reserve())
 
     async def _try_reserve(self) -> None:
+        """Reserve for the waiters in turn (FIFO) while the engine takes them."""
         async with self.aengine.lock:
-            engine = self.engine
             while self._block_waiters:
                 request_id, ids, future = self._block_waiters[0]
-                busy = len(engine.scheduler.requests) + len(self._awaiting_kv)
-                needed = engine.block_manager.blocks_for_tokens(len(ids))
-                # keep a block per running request free for its next token
-                headroom = engine.block_manager.num_free_blocks - needed - len(engine.scheduler.running)
-                if busy >= engine.config.max_num_seqs or (headroom < 0 and busy > 0):
-                    return
-                cached = engine.reserve_blocks(request_id, ids)
+                cached = self.admission.reserve(request_id, ids)
                 if cached is None:
                     return
                 self._block_waiters.popleft()
                 if not future.done():
                     future.set_result(cached)
                 else:  # cancelled while we reserved
-                    engine.release_blocks(request_id)
+                    self.admission.release(request_id)
+
+    async def _reserved_blocks(self, request_id: str) -> list[int]:
+        """The blocks reserved for a request (read between engine steps)."""
+        async with self.aengine.lock:
+            return self.admission.block_table(request_id)
 
     async def _forget(self, request_id: str) -> None:
         """Abort a request wherever it is and free its blocks (client gone)."""
         async with self.aengine.lock:
             self.engine.abort_request(request_id)
-            self.engine.release_blocks(request_id)
+            self.admission.release(request_id)
         await self._try_reserve()
 
     def _deliver(self, output: RequestOutput) -> None:

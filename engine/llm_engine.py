@@ -10,12 +10,14 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.guided import GuideFactory
+from pdserve.engine.kv_connector import KVConnector, KVSchedulerSide, KVWorkerSide
 from pdserve.engine.loader import load_model, num_kv_blocks
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.engine.stats import EngineLoad
 from pdserve.engine.step_log import StepShape
 from pdserve.engine.tokenizer import check_prompt_length, check_token_ids, encode_prompt
 
@@ -28,6 +30,10 @@ class _Tracked:
 
 
 class LLMEngine:
+    """Public API: requests (`add_request`, `abort_request`, `step`, ...), the KV connector
+    (`kv_connector`: KV that crosses the engine's edge), and load facts (`load`,
+    `num_waiting`, `num_running`). `scheduler`, `block_manager` and `runner` are internal."""
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.loaded = load_model(config)
@@ -43,6 +49,10 @@ class LLMEngine:
         self.runner = ModelRunner(self.loaded.model, num_blocks, config.block_size)
         self._guides = GuideFactory(self.loaded.tokenizer, self.loaded.shape.vocab_size)
         self._tracked: dict[str, _Tracked] = {}
+        self.kv_connector = KVConnector(
+            KVSchedulerSide(self.scheduler, self._add_prefilled_request, self._tracked.__contains__),
+            KVWorkerSide(self.runner),
+        )
         self._seed_source = random.Random(config.seed)
         self.last_step_sequences = 0  # requests the last step computed tokens of
         self.last_step_shape = StepShape()  # what the last step computed (the latency model's terms)
@@ -57,6 +67,36 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.loaded.max_model_len
 
+    @property
+    def vocab_size(self) -> int:
+        return self.loaded.shape.vocab_size
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for a batch slot (preempted ones too)."""
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Requests in the batch."""
+        return len(self.scheduler.running)
+
+    def load(self) -> EngineLoad:
+        """What this engine holds and has done, for load reports; read it between steps."""
+        scheduler, cache = self.scheduler, self.block_manager
+        return EngineLoad(
+            num_waiting=self.num_waiting, num_running=self.num_running,
+            queued_prompt_tokens=scheduler.queued_prompt_tokens(),
+            running_tokens=sum(r.num_tokens for r in scheduler.running),
+            num_free_blocks=cache.num_free_blocks, num_total_blocks=cache.num_blocks,
+            num_cached_blocks=cache.num_cached_blocks, num_preemptions=scheduler.num_preemptions,
+            prefix_cache_queries=scheduler.num_cache_queries,
+            prefix_cache_query_tokens=scheduler.num_cache_query_tokens,
+            prefix_cache_hit_tokens=scheduler.num_cache_hit_tokens,
+            prefill_tokens_computed=self.num_prefill_tokens_computed,
+            decode_tokens_computed=self.num_decode_tokens_computed,
+        )
+
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, detokenize: bool = True) -> Request:
         """Validate and queue a request; raises ValueError naming what is wrong."""
@@ -65,16 +105,12 @@ class LLMEngine:
         self._track(request, prompt, detokenize)
         return request
 
-    def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                              first_token: int, num_cached_tokens: int = 0,
-                              first_logprob: TokenLogprob | None = None,
-                              prompt_logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
-        """Admit a request prefilled elsewhere: its prompt KV is already in the blocks
-        reserved under `request_id` (`reserve_blocks`), and its first token is known (with
-        its logprob when the request asked for logprobs, and its prompt's logprobs when it asked
-        for those).
-        `num_cached_tokens`: prompt tokens its prefill did not compute (found in a cache).
-        Returns the output for that first token (finished if it ends the request)."""
+    def _add_prefilled_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                               first_token: int, num_cached_tokens: int = 0,
+                               first_logprob: TokenLogprob | None = None,
+                               prompt_logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
+        """`KVSchedulerSide.admit`'s work on the engine's side (see its contract): the
+        request's prompt KV is in the blocks reserved under `request_id`."""
         if (params.logprobs is not None) != (first_logprob is not None):
             raise ValueError(f"request {request_id!r}: the first token's logprob must come exactly when "
                              f"the request asks for logprobs (logprobs={params.logprobs})")
@@ -91,28 +127,6 @@ class LLMEngine:
         self.scheduler.add_running(request)
         return self._after_token(tracked, first_token, first_logprob)
 
-    def cached_prompt_tokens(self, prompt_token_ids: list[int]) -> int:
-        """How many leading prompt tokens this engine's prefix cache holds (whole blocks,
-        always short of the last token, which must be computed to sample)."""
-        return len(self.block_manager.cached_prefix(prompt_token_ids[:-1])) * self.config.block_size
-
-    def reserve_blocks(self, request_id: str, prompt_token_ids: list[int]) -> int | None:
-        """Reserve blocks for the prompt of a request not yet added, starting with the
-        cached blocks of its prefix (shared). Returns how many leading tokens those hold
-        (their KV need not be shipped), or None, changing nothing, if too few are free."""
-        if request_id in self._tracked:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        prefix = self.block_manager.cached_prefix(prompt_token_ids[:-1])
-        if self.block_manager.allocate_slots(request_id, len(prompt_token_ids), prefix) is None:
-            return None
-        self.scheduler.count_lookup(len(prompt_token_ids), len(prefix) * self.config.block_size)
-        return len(prefix) * self.config.block_size
-
-    def release_blocks(self, request_id: str) -> None:
-        """Free a reservation made with `reserve_blocks` (for a request never added)."""
-        if request_id not in self._tracked:
-            self.block_manager.free(request_id)
-
     def _make_request(self, request_id: str, prompt: str | list[int],
                       params: SamplingParams | None) -> Request:
         params = params or SamplingParams()
@@ -120,7 +134,7 @@ class LLMEngine:
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in use")
-        vocab = self.loaded.shape.vocab_size
+        vocab = self.vocab_size
         ids = encode_prompt(self.tokenizer, prompt, vocab)
         check_prompt_length(len(ids), self.max_model_len)
         bad_stop = [t for t in params.stop_token_ids if t >= vocab]
@@ -148,7 +162,7 @@ class LLMEngine:
     def check_prompt_ids(self, ids) -> list[int]:
         """A prompt of token ids from elsewhere (the wire) as a list; ValueError naming what
         is wrong with it: empty, an id outside the vocabulary, too long for max_model_len."""
-        ids = check_token_ids(ids, self.loaded.shape.vocab_size)
+        ids = check_token_ids(ids, self.vocab_size)
         check_prompt_length(len(ids), self.max_model_len)
         return ids
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pdserve.engine.kv_connector import slot_mapping
 from pdserve.engine.model.attention import AttentionMetadata, PrefillSpan
 from pdserve.engine.model.llama import CausalLM
 from pdserve.engine.outputs import TokenLogprob
@@ -105,7 +106,6 @@ class ModelRunner:
         for chunk in chunks:
             n, start = len(chunk.token_ids), chunk.start_pos
             table = np.asarray(chunk.block_table, dtype=np.int64)
-            chunk_pos = np.arange(start, start + n, dtype=np.int64)
             if n == 1:
                 decode_index.append(len(ids))
                 decode_tables.append(table)
@@ -113,8 +113,8 @@ class ModelRunner:
             else:
                 prefills.append(PrefillSpan(len(ids), n, start, self._tensor(table)))
             ids.extend(chunk.token_ids)
-            pos.append(chunk_pos)
-            slots.append(table[chunk_pos // bs] * bs + chunk_pos % bs)
+            pos.append(np.arange(start, start + n, dtype=np.int64))
+            slots.append(slot_mapping(table, start, start + n, bs))
         max_blocks = max((len(t) for t in decode_tables), default=0)
         padded = np.zeros((len(decode_tables), max_blocks), dtype=np.int64)
         for row, table in enumerate(decode_tables):

@@ -130,12 +130,11 @@ class Profile:
         `prefill_rate` prompt tokens a second (a decode worker's local prefill).
 
         With a mixed_size_exponent a, the model M is taken as M * (M / mixed_reference_s) ** -a:
-        serving slows a small mixed step more than a large one. Measured on a colocated engine
-        of two threads on 2 cores (validation runs I and J of 2026-12-04): its mixed steps
-        took 1.8-1.9x the engine-alone model at 0.3-0.6 s, 1.6-1.7x at 1-1.5 s and 1.3-1.4x
-        at 2.2-3.5 s; fitted on the calibration replays' steps a = 0.12-0.14, on the
-        interference runs' 0.11-0.12. A decode worker's mixed steps (one torch thread) fitted
-        about 0 (-0.07 to 0.02)."""
+        serving slows a small mixed step more than a large one: a colocated engine of two
+        threads on 2 cores took 1.8-1.9x the engine-alone model at 0.3-0.6 s and 1.3-1.4x at
+        2.2-3.5 s, and a fitted 0.11-0.14; a decode worker's mixed steps (one torch thread)
+        fit about 0 (measurements: benchmarks/README.md, "How the planner's model got where
+        it is")."""
         if self.colocated_coeffs is not None:
             c0, c1, c2, c3, c4, c5, c6, c7 = (*self.colocated_coeffs, 0.0, 0.0, 0.0)[:8]
             both = 1.0 if tokens and batch else 0.0
@@ -262,10 +261,9 @@ def fit_decode(samples: list[tuple[int, int, float]]) -> tuple[float, float, flo
     Why relative and why B^2: fitted by absolute error on 1-64 rows at per-row contexts of at
     most 512, the linear model was set by its largest steps, and serving's rows (400-500
     tokens online, 1,000-1,400 in chat) ran 0.87-1.22x it (benchmarks/engine_shapes.py).
-    Re-predicted from three validations' step logs (runs I, J and K of 2026-12-04/05), this
-    shape fitted on serving's grid took the tight-TPOT cells within 10 pp in all three where
-    the old one missed online 0.7x in one (+18.3 pp), and chat's from -5.5..-6.4 pp to
-    within 1 pp."""
+    Re-predicted from three planner validations' step logs, this shape fitted on serving's
+    grid took the tight-TPOT cells within 10 pp in all three (benchmarks/README.md, "How the
+    planner's model got where it is")."""
     data = np.asarray(samples, dtype=float)
     batch, context, seconds = data.T
     features = np.column_stack([np.ones(len(data)), batch, context, batch * batch])

@@ -1,6 +1,6 @@
 """A request as the engine tracks it.
 
-Lifecycle in one engine (DESIGN.md):
+Lifecycle in one engine (docs/design.md, "Request lifecycle"):
 
     WAITING ──schedule──► RUNNING ──stop token / EOS──► FINISHED_STOPPED
        ▲                    │  │ ──max_tokens / max_model_len──► FINISHED_LENGTH

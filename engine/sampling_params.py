@@ -6,6 +6,11 @@ from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # most alternatives per token, as OpenAI's top_logprobs
 
+# Field metadata declaring how a field travels from the router to a worker (protos/convert.py
+# converts every other field by name, with no per-field code):
+ROUTER_ONLY = {"wire": False}  # the router applies it itself (stop strings, detokenizing); never sent
+ZERO_IS_DEFAULT = {"zero_is_default": True}  # 0 is invalid, so a 0 on the wire (proto3's unset) means the default
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -35,22 +40,26 @@ class SamplingParams:
     given the tokens before it, with k alternatives: the model's own log-softmax (no
     adjustments, temperature or filters, since nothing was sampled). Such a request computes
     its whole prompt (the prefix cache is not used for it).
+
+    Every field not marked ROUTER_ONLY has a field of the same name in the .proto's
+    SamplingOptions (protos/convert.py checks that on import); a request body's field of the
+    same name sets it (router/sampling.py), unless the router maps it from OpenAI's fields.
     """
 
     max_tokens: int = 16
     temperature: float = 1.0
-    top_p: float = 1.0
+    top_p: float = field(default=1.0, metadata=ZERO_IS_DEFAULT)
     top_k: int = 0
     seed: int | None = None
-    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop: tuple[str, ...] = field(default_factory=tuple, metadata=ROUTER_ONLY)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
-    skip_special_tokens: bool = True
+    skip_special_tokens: bool = field(default=True, metadata=ROUTER_ONLY)
     first_position: int = 0
     logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float = field(default=1.0, metadata=ZERO_IS_DEFAULT)
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # or a dict {token id: bias}
     json_schema: str | None = None

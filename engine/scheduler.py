@@ -104,6 +104,24 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def can_take_prefilled(self, num_prompt_tokens: int, num_reserved: int) -> bool:
+        """The admission headroom for a request prefilled elsewhere, before its blocks are
+        reserved: whether it fits under `max_num_seqs` with the requests here and the
+        `num_reserved` others holding reservations, and whether its whole prompt's blocks
+        still leave a free block per running request for its next token (waived when
+        nothing else is in flight, so a prompt as large as the cache is not refused forever)."""
+        busy = len(self.requests) + num_reserved
+        needed = self.block_manager.blocks_for_tokens(num_prompt_tokens)
+        headroom = self.block_manager.num_free_blocks - needed - len(self.running)
+        return busy < self.config.max_num_seqs and (headroom >= 0 or busy == 0)
+
+    def queued_prompt_tokens(self) -> int:
+        """Tokens still to compute before requests reach decoding: every uncomputed token of
+        a waiting request (a preempted one's output too), the rest of a running one's prompt."""
+        return sum(r.num_tokens - r.num_computed_tokens for r in self.waiting) + sum(
+            r.num_prompt_tokens - r.num_computed_tokens for r in self.running
+            if r.num_computed_tokens < r.num_prompt_tokens)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens

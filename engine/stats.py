@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 
 def percentile(values: Iterable[float], q: float) -> float | None:
@@ -30,3 +31,22 @@ class Histogram:
     @property
     def count(self) -> int:
         return sum(self.counts)
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What an engine holds and has done, as of one moment between steps (`LLMEngine.load`)."""
+
+    num_waiting: int  # requests queued for a batch slot (preempted ones too)
+    num_running: int  # requests in the batch
+    queued_prompt_tokens: int  # tokens to compute before they decode (Scheduler.queued_prompt_tokens)
+    running_tokens: int  # the running requests' tokens (the context their decodes attend to)
+    num_free_blocks: int  # KV blocks an allocation may take (cached ones it may evict too)
+    num_total_blocks: int
+    num_cached_blocks: int  # unreferenced blocks kept for their content
+    num_preemptions: int
+    prefix_cache_queries: int  # prompts looked up in the prefix cache
+    prefix_cache_query_tokens: int  # their tokens
+    prefix_cache_hit_tokens: int  # of which found cached
+    prefill_tokens_computed: int  # prompt positions computed
+    decode_tokens_computed: int  # positions of generated tokens computed

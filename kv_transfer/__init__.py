@@ -1,1 +1,1 @@
-"""pdserve kv_transfer (see shared DESIGN.md)."""
+"""pdserve kv_transfer (see docs/design.md)."""

@@ -15,9 +15,10 @@ import time
 
 import torch
 
-from pdserve.kv_transfer.base import KVSender
+from pdserve.kv_transfer.base import KVSender, KVTransport, TransportSettings
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.reservations import TransferError
+from pdserve.protos import pdserve_pb2 as pb
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 _END = object()
@@ -75,3 +76,34 @@ class GrpcStreamSender(KVSender):
                 return
             self._slots.release()
             yield item
+
+
+def kv_chunk(transfer_id: int, layer: int, token_start: int, num_tokens: int, data: bytes) -> pb.KVChunk:
+    """The stream message carrying one piece (`make_chunk` for `GrpcStreamSender`)."""
+    return pb.KVChunk(transfer_id=transfer_id, layer=layer, token_start=token_start, num_tokens=num_tokens,
+                      data=data)
+
+
+class GrpcTransport(KVTransport):
+    """Nothing to set up on either side: each leg's pieces ride its own Prefill stream, where
+    the decode worker validates every byte, so any piece on the stream may write the leg's
+    reservation and the leg needs no endpoint."""
+
+    name = "grpc"
+
+    def __init__(self, layout: KVLayout, send_deadline_s: float = 5.0) -> None:
+        self.layout, self.send_deadline_s = layout, send_deadline_s
+
+    @classmethod
+    def from_settings(cls, settings: TransportSettings) -> GrpcTransport:
+        return cls(settings.layout, send_deadline_s=settings.send_deadline_s)
+
+    def check_endpoint(self, endpoint: str) -> None:
+        """Any will do: the leg needs none."""
+
+    def close(self) -> None:
+        """Nothing of its own to stop: each leg's stream ends with its call."""
+
+    async def open_sender(self, endpoint: str) -> GrpcStreamSender:
+        """A sender feeding the calling stream handler's `messages()` (call on its event loop)."""
+        return GrpcStreamSender(asyncio.get_running_loop(), self.layout, kv_chunk, send_deadline_s=self.send_deadline_s)

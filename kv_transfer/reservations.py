@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pdserve.engine.kv_connector import slot_mapping
 from pdserve.kv_transfer.layout import KVLayout, as_numpy, host_scatter
 
 
@@ -78,8 +79,7 @@ class ReservationTable:
             raise ValueError(f"{len(block_table)} blocks cannot hold {num_tokens} tokens")
         if not 0 <= num_cached_tokens < num_tokens:
             raise ValueError(f"{num_cached_tokens} cached tokens of a {num_tokens}-token prompt")
-        positions = np.arange(num_tokens)
-        slots = np.asarray(block_table, dtype=np.int64)[positions // bs] * bs + positions % bs
+        slots = slot_mapping(block_table, 0, num_tokens, bs)
         reservation = Reservation(
             transfer_id=next(self._ids), request_id=request_id, num_tokens=num_tokens,
             slots=torch.from_numpy(slots).to(self._device), slots_np=slots, peer=peer,

@@ -59,7 +59,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from pdserve.kv_transfer.base import KVSender, KVTransportError, thread_safe_notifier
+from pdserve.kv_transfer.base import KVSender, KVTransport, KVTransportError, TransportSettings, thread_safe_notifier
 from pdserve.kv_transfer.layout import KVLayout, host_copy
 from pdserve.kv_transfer.reservations import ReservationTable, TransferError
 
@@ -117,8 +117,10 @@ def _store_listening_on(host: str, timeout_s: float):
     return store
 
 
-class TorchTransport:
+class TorchTransport(KVTransport):
     """One per worker process; `listen`/`accept` on decode workers, `connect` on prefill."""
+
+    name = "torch"
 
     def __init__(self, worker_id: str, layout: KVLayout, device: torch.device,
                  max_piece_tokens: int, host: str = "127.0.0.1", timeout_s: float = 30.0,
@@ -135,6 +137,11 @@ class TorchTransport:
         self._pair_numbers = itertools.count(1)
         self._senders: dict[str, TorchPairSender] = {}
         self._connecting: dict[str, threading.Lock] = {}
+
+    @classmethod
+    def from_settings(cls, settings: TransportSettings) -> TorchTransport:
+        return cls(settings.worker_id, settings.layout, settings.device, max_piece_tokens=settings.max_piece_tokens,
+                   host=settings.host, timeout_s=settings.timeout_s, send_deadline_s=settings.send_deadline_s)
 
     # ------------------------------------------------------------ decode side
     def listen(self, table: ReservationTable) -> str:
@@ -161,6 +168,14 @@ class TorchTransport:
                 receiver.start()
             return f"{self.host}:{self._store.port}/{receiver.prefix}?piece_tokens={self.max_piece_tokens}"
 
+    def endpoint_for(self, peer_id: str) -> str:
+        """`accept`: the pair's endpoint, handed to the prefill worker inside its Prefill RPC."""
+        return self.accept(peer_id)
+
+    def writer_for(self, peer_id: str) -> str:
+        """Pieces arrive tagged with their pair's peer: only `peer_id` may write the leg's blocks."""
+        return peer_id
+
     def wait_closed(self, peer_id: str, timeout_s: float = 10.0) -> None:
         """Wait for the pair with `peer_id` to end (after the sender closed it)."""
         receiver = self._receivers.get(peer_id)
@@ -168,6 +183,14 @@ class TorchTransport:
             receiver.join(timeout_s)
 
     # ------------------------------------------------------------ prefill side
+    def check_endpoint(self, endpoint: str) -> None:
+        if not endpoint:
+            raise ValueError("kv_endpoint is required for the torch transport")
+
+    async def open_sender(self, endpoint: str) -> TorchPairSender:
+        """`connect`, off the event loop."""
+        return await asyncio.to_thread(self.connect, endpoint)
+
     def connect(self, endpoint: str) -> TorchPairSender:
         """Join the pair named by `endpoint` (blocking until the group forms). Concurrent
         callers for one endpoint share one group."""
@@ -427,6 +450,14 @@ class TorchPairSender(KVSender):
         with self._cond:
             if self._pending.get(transfer_id, 0) > 0:
                 self._discarded.add(transfer_id)
+
+    def finish(self) -> None:
+        """Nothing to end: the pair outlives the leg (`flush` waits for the leg's pieces)."""
+
+    async def messages(self):
+        """None: the pieces go over the pair, not the Prefill stream."""
+        return
+        yield
 
     def retire(self, why: str) -> None:
         """End a pair whose receiver is gone: no goodbye (nobody would read it); the sending

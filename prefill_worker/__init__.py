@@ -1,1 +1,1 @@
-"""pdserve prefill_worker (see shared DESIGN.md)."""
+"""pdserve prefill_worker (see docs/design.md)."""

@@ -1,6 +1,6 @@
 """The prefill worker's gRPC service.
 
-A request's life here (DESIGN.md):
+A request's life here (docs/design.md, "Request lifecycle"):
 
     QUEUED ──scheduled──► PREFILLING (chunks, under the token budget, batched with other
     requests' chunks) ──last chunk: first token sampled──► SHIPPED ──ack──► DONE
@@ -28,12 +28,12 @@ import sys
 from dataclasses import dataclass
 
 import grpc
-import torch
 
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.kv_transfer.base import KVSender, check_transport_name
-from pdserve.kv_transfer.grpc_transport import GrpcStreamSender
+from pdserve.engine.outputs import RequestOutput
+from pdserve.kv_transfer.base import KVSender
 from pdserve.kv_transfer.layout import KVLayout
+from pdserve.kv_transfer.registry import resolve_transport_name
 from pdserve.protos import pdserve_pb2 as pb
 from pdserve.protos import pdserve_pb2_grpc as pb_grpc
 from pdserve.protos.convert import logprob_to_proto, sampling_from_proto
@@ -77,17 +77,16 @@ class PrefillService(WorkerServiceBase, pb_grpc.PrefillWorkerServicer):
         self._shipments: dict[str, _Shipment] = {}
         self._streams: dict[str, asyncio.Task] = {}
         self.kv_bytes_sent = 0
-        engine.runner.kv_hook = self._ship
+        self.kv.worker_side.set_layer_hook(self._ship)
 
     def add_to(self, server: grpc.aio.Server) -> None:
         pb_grpc.add_PrefillWorkerServicer_to_server(self, server)
 
     # ------------------------------------------------------------ RPCs
     def _stats(self) -> pb.WorkerStats:
-        scheduler = self.engine.scheduler
-        queued = sum(r.num_tokens - r.num_computed_tokens for r in scheduler.requests.values())
-        return self._worker_stats(num_waiting=len(scheduler.waiting), num_running=len(self._streams),
-                                  queued_prefill_tokens=queued, kv_bytes_sent=self.kv_bytes_sent)
+        load = self.engine.load()  # a prefill worker's requests never decode: all they queue is prompt
+        return self._worker_stats(load, num_waiting=load.num_waiting, num_running=len(self._streams),
+                                  queued_prefill_tokens=load.queued_prompt_tokens, kv_bytes_sent=self.kv_bytes_sent)
 
     async def Abort(self, request, context) -> pb.AbortReply:
         task = self._streams.get(request.request_id)
@@ -128,53 +127,33 @@ class PrefillService(WorkerServiceBase, pb_grpc.PrefillWorkerServicer):
 
     # ------------------------------------------------------------ the leg
     async def _prefill(self, start, ids, params, transport, request_iterator):
+        """Compute the prompt, shipping its KV as each layer of each chunk is computed (the
+        pieces that ride this stream are yielded), then yield `done` with the first token and
+        wait for the decode worker's ack. `_LegFailed` when the prefill or its transfer fails."""
         request_id, loop = start.request_id, asyncio.get_running_loop()
-        if transport == "torch":
-            try:
-                sender = await asyncio.to_thread(self.torch_transport.connect, start.kv_endpoint)
-            except Exception as exc:  # noqa: BLE001 - cannot reach the decode worker
-                self.transfers.failed(transport, "send", "connect")
-                raise _LegFailed(f"KV transport: {exc}") from exc
-        else:
-            sender = GrpcStreamSender(loop, self.layout, _kv_chunk,
-                                      send_deadline_s=self.config.kv_send_deadline_s)
+        sender = await self._open_sender(transport, start.kv_endpoint)
         shipment = _Shipment(start.transfer_id, sender, skip_below=start.num_cached_tokens)
         first_token: asyncio.Future = loop.create_future()
         self._shipments[request_id] = shipment
         self.aengine.listeners[request_id] = lambda out: _resolve(first_token, out)
+        kv_bytes = self.layout.kv_bytes(len(ids) - start.num_cached_tokens)
         computing = tracing.start_span("pdserve.prefill", request_id=request_id)  # queued and computed
         transfer = tracing.start_span("pdserve.kv_transfer", request_id=request_id, kv_transport=transport,
-                                      direction="send",
-                                      kv_bytes=self.layout.kv_bytes(len(ids) - start.num_cached_tokens))
+                                      direction="send", kv_bytes=kv_bytes)
         try:
             async with self.aengine.lock:
                 self.engine.add_request(request_id, ids, params, detokenize=False)
             self.aengine.wake()
-            if isinstance(sender, GrpcStreamSender):
-                first_token.add_done_callback(lambda _: sender.finish())
-                async for chunk in sender.messages():
-                    yield pb.PrefillServerMessage(kv=chunk)
+            first_token.add_done_callback(lambda _: sender.finish())
+            async for chunk in sender.messages():  # pieces that ride this stream, until the first token
+                yield pb.PrefillServerMessage(kv=chunk)
             output = await first_token
             tracing.end(computing)
             tracing.add_event("first_token")
-            if output.finish_reason == "abort":
-                raise _LegFailed("prefill aborted")
-            if not shipment.error:  # a failed transfer's pieces may wait behind a peer not reading
-                await sender.flush(shipment.transfer_id)
-            if shipment.error:
-                self.transfers.failed(transport, "send", "send_failed")
-                raise _LegFailed(f"KV transfer failed: {shipment.error}")
-            self.transfers.succeeded(transport, "send", self.layout.kv_bytes(len(ids) - start.num_cached_tokens),
-                                     shipment.stopwatch.seconds())
+            await self._complete_shipment(output, shipment, transport, kv_bytes)
             tracing.end(transfer)
-            done = pb.PrefillDone(first_token=output.token_ids[0], num_prompt_tokens=len(ids),
-                                  prefill_worker_id=self.config.worker_id, num_cached_tokens=output.num_cached_tokens)
-            if output.outputs[0].logprobs:
-                done.first_logprob.CopyFrom(logprob_to_proto(output.outputs[0].logprobs[0]))
-            if output.prompt_logprobs is not None:
-                done.prompt_logprobs.extend(logprob_to_proto(lp) for lp in output.prompt_logprobs[1:])
-            yield pb.PrefillServerMessage(done=done)
-            self.kv_bytes_sent += self.layout.kv_bytes(len(ids) - start.num_cached_tokens)
+            yield pb.PrefillServerMessage(done=_done(output, len(ids), self.config.worker_id))
+            self.kv_bytes_sent += kv_bytes
             ack = await asyncio.wait_for(anext(aiter(request_iterator), None),
                                          timeout=self.config.kv_transfer_timeout_s)
             if ack is None or not ack.HasField("ack") or not ack.ack.ok:
@@ -187,6 +166,28 @@ class PrefillService(WorkerServiceBase, pb_grpc.PrefillWorkerServicer):
             sender.discard(shipment.transfer_id)
             if not first_token.done():  # cancelled or failed mid-prefill: free its blocks now
                 loop.create_task(self._abort(request_id))
+
+    async def _open_sender(self, transport: str, endpoint: str) -> KVSender:
+        """The leg's sender on `transport` to the decode worker at `endpoint`; `_LegFailed`
+        (counted) when it cannot be reached."""
+        try:
+            return await self.transports[transport].open_sender(endpoint)
+        except Exception as exc:  # noqa: BLE001 - cannot reach the decode worker
+            self.transfers.failed(transport, "send", "connect")
+            raise _LegFailed(f"KV transport: {exc}") from exc
+
+    async def _complete_shipment(self, output: RequestOutput, shipment: _Shipment, transport: str,
+                                 kv_bytes: int) -> None:
+        """Once the first token is out: wait until every piece is on the wire and count the
+        transfer; `_LegFailed` (counted) when the prefill was aborted or the transfer failed."""
+        if output.finish_reason == "abort":
+            raise _LegFailed("prefill aborted")
+        if not shipment.error:  # a failed transfer's pieces may wait behind a peer not reading
+            await shipment.sender.flush(shipment.transfer_id)
+        if shipment.error:
+            self.transfers.failed(transport, "send", "send_failed")
+            raise _LegFailed(f"KV transfer failed: {shipment.error}")
+        self.transfers.succeeded(transport, "send", kv_bytes, shipment.stopwatch.seconds())
 
     async def _abort(self, request_id: str) -> None:
         async with self.aengine.lock:
@@ -213,12 +214,7 @@ class PrefillService(WorkerServiceBase, pb_grpc.PrefillWorkerServicer):
 
     def _cached_kv(self, request_id: str, layer: int, start: int, end: int):
         """K and V `[end - start, kv_heads, head_dim]` of positions [start, end) from the cache."""
-        bs, table = self.layout.block_size, self.engine.block_manager.block_table(request_id)
-        positions = torch.arange(start, end)
-        slots = torch.as_tensor(table, dtype=torch.int64)[positions // bs] * bs + positions % bs
-        cache = self.engine.runner.kv_cache[layer]
-        rows = [cache[half].view(-1, self.layout.num_kv_heads, self.layout.head_dim) for half in range(2)]
-        return rows[0][slots.to(cache.device)], rows[1][slots.to(cache.device)]
+        return self.kv.worker_side.read(self.kv.scheduler_side.block_table(request_id), layer, start, end)
 
     def _validate(self, start: pb.PrefillRequest):
         if not start.request_id:
@@ -236,9 +232,8 @@ class PrefillService(WorkerServiceBase, pb_grpc.PrefillWorkerServicer):
         params = sampling_from_proto(start.sampling)
         params = dataclasses.replace(params, max_tokens=1, seed=start.seed,
                                      min_tokens=min(params.min_tokens, params.first_position + 1))
-        transport = check_transport_name(start.kv_transport or "torch")
-        if transport == "torch" and not start.kv_endpoint:
-            raise ValueError("kv_endpoint is required for the torch transport")
+        transport = resolve_transport_name(start.kv_transport)
+        self.transports[transport].check_endpoint(start.kv_endpoint)
         return ids, params, transport
 
 
@@ -251,6 +246,12 @@ def _resolve(future: asyncio.Future, output) -> None:
         future.set_result(output)
 
 
-def _kv_chunk(transfer_id: int, layer: int, token_start: int, num_tokens: int, data: bytes):
-    return pb.KVChunk(transfer_id=transfer_id, layer=layer, token_start=token_start,
-                      num_tokens=num_tokens, data=data)
+def _done(output: RequestOutput, num_prompt_tokens: int, worker_id: str) -> pb.PrefillDone:
+    """The leg's result: the first token, with the logprobs the request asked for."""
+    done = pb.PrefillDone(first_token=output.token_ids[0], num_prompt_tokens=num_prompt_tokens,
+                          prefill_worker_id=worker_id, num_cached_tokens=output.num_cached_tokens)
+    if output.outputs[0].logprobs:
+        done.first_logprob.CopyFrom(logprob_to_proto(output.outputs[0].logprobs[0]))
+    if output.prompt_logprobs is not None:
+        done.prompt_logprobs.extend(logprob_to_proto(lp) for lp in output.prompt_logprobs[1:])
+    return done

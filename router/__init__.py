@@ -1,1 +1,1 @@
-"""pdserve router (see shared DESIGN.md)."""
+"""pdserve router (see docs/design.md)."""

@@ -4,11 +4,16 @@ without a configured token they are disabled."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
 from pdserve.router.auth import bearer_matches, request_authorization
 from pdserve.router.errors import APIError, validation_message
+
+if TYPE_CHECKING:
+    from pdserve.router.state import Router
 
 
 class ScaleRequest(BaseModel):
@@ -30,7 +35,7 @@ async def _parse(request: Request, model: type[BaseModel]):
         raise APIError(422, message, param) from None
 
 
-def install_admin(app: FastAPI, router) -> None:
+def install_admin(app: FastAPI, router: Router) -> None:
     def authorize(request: Request) -> None:
         """Before anything of the request is read: its body is parsed only once this passed."""
         token = router.config.admin_token

@@ -9,21 +9,16 @@ OpenAI error object naming the field; none of them changes any state.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import logging
 import random
-import time
-from collections import deque
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from pdserve.engine import stats
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import apply_chat_template, encode_prompt
 from pdserve.router import protocol, responses
@@ -33,115 +28,13 @@ from pdserve.router.cache_index import PromptKeys
 from pdserve.router.dashboard import install_dashboard
 from pdserve.router.errors import APIError, check_model, install_handlers, validation_message
 from pdserve.router.generation import Generation
-from pdserve.router.metrics import RouterMetrics
-from pdserve.router.policies import DEFAULT_POLICY, CacheAwareWeights, RouteRequest, decode_busy, make_policy
-from pdserve.router.registry import WorkerRegistry
+from pdserve.router.sampling import request_sampling
+from pdserve.router.state import Router
 from pdserve.router.tokenize import install_tokenize
 from pdserve.rpc import tracing
-from pdserve.rpc.security import Security
 
 logger = logging.getLogger("router")
 _CHOICE_SEEDS = random.SystemRandom()  # base seeds of n > 1 requests that brought none
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    model: str  # what the tokenizer is loaded from (name or path, as for the engine)
-    served_model_name: str
-    host: str = "127.0.0.1"
-    port: int = 8000
-    routing: str = DEFAULT_POLICY
-    cache_aware: CacheAwareWeights = CacheAwareWeights()
-    max_inflight_requests: int = 256
-    max_body_bytes: int = 4 * 1024 * 1024
-    admin_token: str | None = None
-    kv_transport: str = "torch"
-    request_timeout_s: float = 600.0
-    max_migrations: int = 2  # times one request's failed decode leg is resumed on another worker
-    migration_wait_s: float = 30.0  # how long a failed leg waits for another decode worker to be routable
-    security: Security | None = None  # cluster token (and TLS) for the router's RPCs to workers
-    api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: /v1 is open
-    metrics_require_key: bool = False  # /metrics needs an API key too
-    https_cert_file: str | None = None
-    https_key_file: str | None = None
-    ttft_slo_s: float | None = None  # the SLOs, for /metrics' goodput and SLO lines (None: not exported)
-    tpot_slo_s: float | None = None
-    otlp_traces_endpoint: str | None = None  # export OpenTelemetry traces here (rpc.tracing); None: off
-
-    def __post_init__(self) -> None:
-        if self.security is None:
-            raise ValueError("the router needs the cluster token (security) to call its workers")
-        if self.max_migrations < 0 or self.migration_wait_s < 0:
-            raise ValueError("max_migrations and migration_wait_s must be >= 0")
-        if bool(self.https_cert_file) != bool(self.https_key_file):
-            raise ValueError("HTTPS needs both a certificate file and a key file")
-
-
-class Router:
-    """Shared state of one router process: config, tokenizer, registry, policy, metrics."""
-
-    def __init__(self, config: RouterConfig, registry: WorkerRegistry, controller=None) -> None:
-        self.config, self.registry, self.controller = config, registry, controller
-        self.policy = make_policy(config.routing, config.cache_aware)
-        self.metrics = RouterMetrics(registry, config.ttft_slo_s, config.tpot_slo_s)
-        self.tokenizer = None
-        self.created = int(time.time())  # GET /v1/models
-        self.inflight = 0
-        # (end, prompt, completion tokens, ttft, tpot, cached, arrival); end and arrival: time.monotonic()
-        self.finished: deque = deque(maxlen=20000)
-
-    def observations(self, window_s: float, percentile: float = 90.0) -> dict:
-        """What the autoscaler needs from the last `window_s` seconds of finished requests: count,
-        rate, TTFT/TPOT percentiles, prefix-cache hit rate, and the latest 500 requests' lengths
-        (prompt, completion, cached tokens) with their arrival times (monotonic seconds)."""
-        now = time.monotonic()
-        recent = [r for r in self.finished if now - r[0] <= window_s]
-        ttft = [r[3] for r in recent if r[3] is not None]
-        tpot = [r[4] for r in recent if r[4] is not None]
-        prompt_tokens = sum(r[1] for r in recent)
-        latest = recent[-500:]
-        return {"count": len(recent), "rate": len(recent) / window_s, "ttft_p": stats.percentile(ttft, percentile),
-                "tpot_p": stats.percentile(tpot, percentile),
-                "hit_rate": sum(r[5] for r in recent) / prompt_tokens if prompt_tokens else 0.0,
-                "lengths": [(r[1], max(1, r[2]), r[5]) for r in latest], "arrivals": [r[6] for r in latest],
-                "inflight": self.inflight}
-
-    async def start(self) -> None:
-        from pdserve.engine.model_source import resolve_model
-        from pdserve.engine.tokenizer import load_tokenizer
-
-        model_dir = await asyncio.to_thread(resolve_model, self.config.model, True)
-        self.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
-        await self.registry.start()
-
-    def routing_summary(self) -> dict:
-        """The policy and its cache index at a glance (`pdserve status`): per worker, the
-        blocks the index holds for it (reported, expected); the requests the router counts
-        on each decode worker; overall, the cached prompt tokens the index predicted vs
-        those the workers found."""
-        index = self.registry.cache_index
-        workers = {w: dict(zip(("held", "expected"), index.size(w), strict=True)) for w in index.worker_ids()}
-        load = {v.worker_id: decode_busy(v) for v in self.registry.workers("decode", routable=False)}
-        return {"policy": self.policy.name, "index": workers, "decode_load": load,
-                "expected_cached_tokens": self.metrics.cached_tokens["expected"],
-                "actual_cached_tokens": self.metrics.cached_tokens["actual"]}
-
-    def route_request(self, prompt: PromptKeys, session: str | None) -> RouteRequest:
-        """What the policy knows of a request: its length, session, and the leading prompt
-        tokens each routable worker is expected to have cached."""
-        index = self.registry.cache_index
-        matched = {v.worker_id: index.matched_tokens(v.worker_id, prompt)
-                   for role in ("decode", "prefill") for v in self.registry.workers(role)}
-        return RouteRequest(len(prompt.token_ids), session, matched)
-
-    def pick_decode(self, route: RouteRequest, exclude: set[str] = frozenset()):
-        workers = [w for w in self.registry.workers("decode") if w.worker_id not in exclude]
-        if not workers:
-            raise APIError(503, "no decode worker is available; retry later", headers={"Retry-After": "1"})
-        return self.policy.pick_decode(workers, route)
-
-    def order_prefill(self, route: RouteRequest, decode):
-        return self.policy.order_prefill(self.registry.workers("prefill"), route, decode)
 
 
 def build_app(router: Router) -> FastAPI:
@@ -160,6 +53,14 @@ def build_app(router: Router) -> FastAPI:
     install_admin(app, router)
     install_dashboard(app, router)
     install_tokenize(app, router, lambda request, model: _read_body(request, model, config.max_body_bytes))
+    _install_status(app, router)
+    _install_completions(app, router)
+    return app
+
+
+def _install_status(app: FastAPI, router: Router) -> None:
+    """`GET /health` (200 once a decode worker is routable and the model known, else 503),
+    `GET /v1/models` and `GET /metrics`."""
 
     @app.get("/health")
     async def health():
@@ -170,7 +71,7 @@ def build_app(router: Router) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": config.served_model_name, "object": "model",
+        return {"object": "list", "data": [{"id": router.config.served_model_name, "object": "model",
                                             "created": router.created, "owned_by": "pdserve",
                                             "max_model_len": router.registry.model.max_model_len}]}
 
@@ -178,6 +79,11 @@ def build_app(router: Router) -> FastAPI:
     async def metrics():
         body, content_type = router.metrics.render()
         return Response(body, media_type=content_type)
+
+
+def _install_completions(app: FastAPI, router: Router) -> None:
+    """`POST /v1/completions` and `POST /v1/chat/completions`."""
+    config = router.config
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -196,8 +102,6 @@ def build_app(router: Router) -> FastAPI:
             raise APIError(400, str(exc), "messages") from None
         ids = apply_chat_template(router.tokenizer, messages)
         return await _serve(request, router, body, ids, chat=True)
-
-    return app
 
 
 async def _read_body(request: Request, model, max_bytes: int):
@@ -233,46 +137,11 @@ def _completion_prompt(router: Router, prompt) -> list[int]:
         raise APIError(400, str(exc), "prompt") from None
 
 
-def _sampling(body, router: Router, num_prompt_tokens: int) -> SamplingParams:
-    unsupported = body.unsupported()
-    if unsupported:
-        raise APIError(400, unsupported, unsupported.split(":")[0])
-    if getattr(body, "suffix", None):
-        raise APIError(400, "suffix: not supported", "suffix")
-    max_len = router.registry.model.max_model_len
-    if max_len and num_prompt_tokens >= max_len:
-        raise APIError(400, f"prompt has {num_prompt_tokens} tokens but the model's maximum context length "
-                            f"is {max_len}; shorten the prompt", "prompt", "context_length_exceeded")
-    max_tokens = body.requested_max_tokens
-    if max_len:
-        max_tokens = min(max_tokens, max_len - num_prompt_tokens)
-    try:
-        bias = body.logit_bias_ids(router.registry.model.vocab_size or None)
-    except ValueError as exc:
-        raise APIError(400, str(exc), "logit_bias") from None
-    if body.min_tokens > max_tokens:
-        raise APIError(400, f"min_tokens ({body.min_tokens}) exceeds max_tokens ({max_tokens})", "min_tokens")
-    try:
-        json_schema = body.json_schema()
-    except ValueError as exc:
-        raise APIError(400, str(exc), "response_format") from None
-    try:
-        return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                              top_k=max(0, body.top_k), seed=body.seed, stop=tuple(body.stop_list()),
-                              stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
-                              logprobs=body.num_logprobs(), presence_penalty=body.presence_penalty,
-                              frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-                              min_tokens=body.min_tokens, logit_bias=bias, json_schema=json_schema,
-                              prompt_logprobs=body.num_logprobs() if getattr(body, "echo", False) else None)
-    except ValueError as exc:
-        raise APIError(400, str(exc), str(exc).split(" ")[0]) from None
-
-
 async def _serve(request: Request, router: Router, body, ids: list[int], chat: bool):
     check_model(body.model, router.config.served_model_name)
     if not router.registry.model.ready.is_set():
         raise APIError(503, "no decode worker is ready yet; retry shortly", headers={"Retry-After": "1"})
-    params = _sampling(body, router, len(ids))
+    params = request_sampling(body, router.registry.model, len(ids))
     if router.inflight >= router.config.max_inflight_requests:
         router.metrics.rejected.inc()
         raise APIError(429, f"server busy: {router.inflight} requests in flight (limit "

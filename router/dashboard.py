@@ -14,13 +14,18 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse
 
 from pdserve.engine import stats
 from pdserve.router.metrics import POOLS
+
+if TYPE_CHECKING:
+    from pdserve.router.state import FinishedRequest, Router
 
 PAGE = Path(__file__).parent / "static" / "dashboard.html"
 WINDOW_S = 300.0  # the charts' span
@@ -99,19 +104,19 @@ def pools_view(registry, cluster: dict | None) -> dict:
     return out
 
 
-def latency_view(finished, slo: dict | None, now: float, window_s: float = WINDOW_S,
+def latency_view(finished: Iterable[FinishedRequest], slo: dict | None, now: float, window_s: float = WINDOW_S,
                  bucket_s: float = BUCKET_S) -> dict:
     """TTFT/TPOT percentiles, request rate and goodput (requests/s that met both SLOs) of
     the requests that finished in the last `window_s`, overall and per `bucket_s` (x: seconds
     before now, at the bucket's end)."""
-    recent = [r for r in finished if now - r[0] <= window_s]
+    recent = [r for r in finished if now - r.end <= window_s]
 
-    def met(r) -> bool:
-        return r[3] <= slo["ttft_s"] and (r[4] is None or r[4] <= slo["tpot_s"])
+    def met(r: FinishedRequest) -> bool:
+        return r.ttft_s <= slo["ttft_s"] and (r.tpot_s is None or r.tpot_s <= slo["tpot_s"])
 
-    def summary(rows, span_s: float) -> dict:
-        ttft = [r[3] for r in rows]
-        tpot = [r[4] for r in rows if r[4] is not None]
+    def summary(rows: list[FinishedRequest], span_s: float) -> dict:
+        ttft = [r.ttft_s for r in rows]
+        tpot = [r.tpot_s for r in rows if r.tpot_s is not None]
         return {"count": len(rows), "rate": len(rows) / span_s,
                 "goodput": sum(map(met, rows)) / span_s if slo else None,
                 **{f"ttft_p{q}": stats.percentile(ttft, q) for q in PERCENTILES},
@@ -120,12 +125,12 @@ def latency_view(finished, slo: dict | None, now: float, window_s: float = WINDO
     series = []
     for i in range(int(window_s // bucket_s)):
         start, end = window_s - (i + 1) * bucket_s, window_s - i * bucket_s  # seconds ago
-        rows = [r for r in recent if start <= now - r[0] < end]
+        rows = [r for r in recent if start <= now - r.end < end]
         series.append({"ago_s": start, **summary(rows, bucket_s)})
     return {"window_s": window_s, "bucket_s": bucket_s, "overall": summary(recent, window_s), "series": series}
 
 
-async def cluster_view(controller) -> dict | None:
+async def cluster_view(controller: Any) -> dict | None:
     """The controller's status, or None without one (a bare router) or when it does not answer."""
     if controller is None:
         return None
@@ -135,7 +140,22 @@ async def cluster_view(controller) -> dict | None:
         return None
 
 
-def dashboard_data(router, cluster: dict | None, rates: TransferRates) -> dict:
+class CachedClusterStatus:
+    """The controller's status, asked of it at most once per `CLUSTER_CACHE_S` however many
+    pages poll; None without a controller or when it did not answer."""
+
+    def __init__(self, controller: Any) -> None:
+        self.controller = controller
+        self.fetched_at = float("-inf")  # time.monotonic()
+        self.status: dict | None = None
+
+    async def get(self) -> dict | None:
+        if time.monotonic() - self.fetched_at >= CLUSTER_CACHE_S:
+            self.fetched_at, self.status = time.monotonic(), await cluster_view(self.controller)
+        return self.status
+
+
+def dashboard_data(router: Router, cluster: dict | None, rates: TransferRates) -> dict:
     now = time.monotonic()
     views = [v for pool in POOLS for v in router.registry.workers(pool, routable=False)]
     rates.sample(views, now)
@@ -157,9 +177,9 @@ def dashboard_data(router, cluster: dict | None, rates: TransferRates) -> dict:
     }
 
 
-def install_dashboard(app: FastAPI, router) -> None:
+def install_dashboard(app: FastAPI, router: Router) -> None:
     rates = TransferRates()
-    cluster_cache: list = [float("-inf"), None]  # (when, status): one controller call a second, however many pages
+    cluster = CachedClusterStatus(router.controller)
 
     @app.get("/dashboard", include_in_schema=False)
     async def dashboard_page():
@@ -167,6 +187,4 @@ def install_dashboard(app: FastAPI, router) -> None:
 
     @app.get("/dashboard/data")
     async def dashboard_json():
-        if time.monotonic() - cluster_cache[0] >= CLUSTER_CACHE_S:
-            cluster_cache[:] = [time.monotonic(), await cluster_view(router.controller)]
-        return dashboard_data(router, cluster_cache[1], rates)
+        return dashboard_data(router, await cluster.get(), rates)

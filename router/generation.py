@@ -1,6 +1,6 @@
 """One request's decode leg, as the router owns it.
 
-Lifecycle (DESIGN.md): RECEIVED → ROUTED(P, D) → STREAMING → FINISHED | ABORTED | FAILED.
+Lifecycle (docs/design.md, "Request lifecycle"): RECEIVED → ROUTED(P, D) → STREAMING → FINISHED | ABORTED | FAILED.
 The router picks a decode worker and the prefill workers it may use, opens the decode
 worker's `Generate` stream, detokenizes, and applies stop strings (cancelling the stream
 when one matches, which aborts the request on both workers). A decode worker that is
@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -35,6 +36,10 @@ from pdserve.router.cache_index import PromptKeys
 from pdserve.router.errors import APIError
 from pdserve.router.policies import RouteRequest
 from pdserve.rpc import tracing
+
+if TYPE_CHECKING:
+    from pdserve.router.registry import WorkerView
+    from pdserve.router.state import Router
 
 logger = logging.getLogger(__name__)
 
@@ -75,9 +80,24 @@ class Result:
         return (end - self.first_token_at) / (self.num_completion_tokens - 1)
 
 
+@dataclass
+class _Leg:
+    """One decode leg in flight: where it runs, what it was sent, how far it got."""
+
+    decode: WorkerView
+    prefill: list[WorkerView]  # the prefill workers offered to it (at most two), the first preferred
+    prompt: PromptKeys  # the request's prompt, plus the tokens earlier legs generated
+    params: SamplingParams  # max_tokens and sampling positions continue from earlier legs
+    span: Any = None  # its tracing span
+    call: Any = None  # the decode worker's Generate stream
+    got_token: bool = False  # the worker sent this leg's first token
+    worker_done: bool = False  # the worker ended the request itself (a finish reason)
+    prompt_logprobs: list[TokenLogprob] | None = None  # to hand on with the leg's next delta
+
+
 class Generation:
-    def __init__(self, router, request_id: str, prompt: PromptKeys, params: SamplingParams,
-                 route: RouteRequest, decode=None) -> None:
+    def __init__(self, router: Router, request_id: str, prompt: PromptKeys, params: SamplingParams,
+                 route: RouteRequest, decode: WorkerView | None = None) -> None:
         """`route`: what the policy knows of the request; `decode`: the decode worker already
         picked for the first attempt (None: pick one)."""
         self.router, self.request_id = router, request_id
@@ -135,7 +155,7 @@ class Generation:
                 raise GenerationError(f"no other decode worker could take the request{why}",
                                       refusal.status if refusal else 503) from None
 
-    async def _next_decode(self, tried: set[str], wait: bool):
+    async def _next_decode(self, tried: set[str], wait: bool) -> WorkerView:
         """A routable decode worker not tried yet for this request; when there is none, and
         `wait`, poll for up to `migration_wait_s` (a failed worker's replacement joins the pool
         seconds later). Raises APIError when none came."""
@@ -154,85 +174,29 @@ class Generation:
             return self.route
         return self.router.route_request(PromptKeys(self.prompt_ids + self.output_ids), self.route.session)
 
-    async def _leg(self, decode) -> AsyncIterator[Delta]:
+    async def _leg(self, decode: WorkerView) -> AsyncIterator[Delta]:
         """One decode worker's part of the request: from the start, or resumed after the
         tokens already generated (its prompt ends with them, its sampling positions and
-        `max_tokens` continue where the last leg stopped)."""
-        router, done = self.router, len(self.output_ids)
-        if done >= self.params.max_tokens:  # the failed leg had sent every token, not its finish
+        `max_tokens` continue where the last leg stopped). Raises `_RetryElsewhere` (the worker
+        could not take it, no token sent yet), `_LegFailed` (resumable elsewhere) or
+        `GenerationError` (for the client); leaving early cancels the worker's stream."""
+        if len(self.output_ids) >= self.params.max_tokens:  # the failed leg had sent every token, not its finish
             self.result.finish_reason = "length"
             yield Delta(self._detok.flush(), [], "length")
             return
-        params = self.params if not done else dataclasses.replace(  # the first leg sent the prompt's logprobs
-            self.params, max_tokens=self.params.max_tokens - done, first_position=self.params.first_position + done,
-            prompt_logprobs=None)
-        prompt = self.prompt if not done else PromptKeys(self.prompt_ids + self.output_ids)
-        route = self.route if not done else self._leg_route()
-        prefill = router.order_prefill(route, decode)[:2]
-        request = pb.GenerateRequest(
-            request_id=self.request_id, prompt_token_ids=prompt.token_ids,
-            sampling=sampling_to_proto(params), prefill_addresses=[p.address for p in prefill],
-            kv_transport=router.config.kv_transport,
-            prefill_queued_tokens=prefill[0].queued_prefill_tokens if prefill else 0,
-        )
-        self.result.decode_worker = decode.worker_id
-        leg = tracing.start_span("pdserve.decode_leg", client=True, request_id=self.request_id,
-                                 decode_worker=decode.worker_id, migration=self.migrations, resumed_after_tokens=done)
-        call = decode.stub.Generate(request, timeout=router.config.request_timeout_s, metadata=tracing.metadata(leg))
-        index = router.registry.cache_index
-        index.expect(decode.worker_id, prompt)  # its blocks will be cached there, however prefilled
-        decode.note_opened(self.request_id)
-        if prefill:
-            prefill[0].inflight_tokens += len(prompt.token_ids)
-        first = True  # no token from this leg yet
-        worker_done = False  # the decode worker ended the request itself
-        detok = self._detok
-        prompt_logprobs = None  # to hand on with this leg's first delta
+        leg = self._open_leg(decode)
         try:
-            async for chunk in call:
-                if first and chunk.token_ids:
-                    first = False
-                    tracing.add_event("first_token", on=leg, prefilled_by=chunk.prefilled_by)
-                    if prefill:
-                        prefill[0].inflight_tokens -= len(prompt.token_ids)
-                    for worker in prefill:
-                        if worker.worker_id == chunk.prefilled_by:  # and where it was prefilled
-                            index.expect(worker.worker_id, prompt)
-                    if self.result.first_token_at is None:
-                        self.result.first_token_at = time.perf_counter()
-                        self.result.prefilled_by = chunk.prefilled_by
-                        self.result.num_cached_tokens = chunk.num_cached_tokens
-                        self.result.expected_cached_tokens = self._expected_cached(decode, prefill, chunk.prefilled_by)
-                    prompt_logprobs = self._prompt_logprobs(chunk, decode, params)
-                text = "".join(detok.add_token(t) for t in chunk.token_ids if not detok.stopped)
-                self.result.num_completion_tokens += len(chunk.token_ids)
-                self.output_ids.extend(chunk.token_ids)
-                worker_done = bool(chunk.finish_reason)
-                finish = "stop" if detok.stopped else (chunk.finish_reason or None)
-                if finish:
-                    text += detok.flush()
-                    self.result.finish_reason = finish
-                    # the conversation so far stays cached on the decode worker (all but the
-                    # last token, whose KV was never computed): its next turn will look for it
-                    index.expect(decode.worker_id, PromptKeys(self.prompt_ids + self.output_ids))
-                    yield Delta(text, list(chunk.token_ids), finish, self._logprobs(chunk, decode), prompt_logprobs)
-                    return
-                if text or chunk.token_ids:
-                    yield Delta(text, list(chunk.token_ids), None, self._logprobs(chunk, decode), prompt_logprobs)
-                    prompt_logprobs = None
+            async for chunk in leg.call:
+                if not leg.got_token and chunk.token_ids:
+                    self._first_token(leg, chunk)
+                delta = self._take(leg, chunk)
+                if delta is not None:
+                    yield delta
+                    if delta.finish_reason:
+                        return
             raise self._failed(decode, "ended_early", "ended the stream without a finish reason", 502)
         except grpc.aio.AioRpcError as exc:
-            code = exc.code()
-            if code == grpc.StatusCode.INVALID_ARGUMENT:
-                raise GenerationError(exc.details(), 400) from None
-            if not self.output_ids and code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ALREADY_EXISTS,
-                                                grpc.StatusCode.RESOURCE_EXHAUSTED):
-                full = code == grpc.StatusCode.RESOURCE_EXHAUSTED
-                raise _RetryElsewhere(exc.details(), 429 if full else 503) from None
-            if code in _MIGRATABLE:
-                raise self._failed(decode, code.name.lower(), f"{code.name}: {exc.details()}") from None
-            router.registry.mark_unhealthy(decode)
-            raise GenerationError(f"decode worker {decode.worker_id} failed: {code.name}: {exc.details()}") from None
+            raise self._rpc_failure(decode, exc) from None
         except asyncio.CancelledError:
             if asyncio.current_task().cancelling():
                 raise  # our own task is being cancelled (client gone, shutdown)
@@ -241,14 +205,109 @@ class Generation:
                 raise _RetryElsewhere("it left the pool") from None
             raise self._failed(decode, "worker_left", "it left the pool mid-request") from None
         finally:
-            decode.note_closed()
-            if prefill and first:
-                prefill[0].inflight_tokens -= len(prompt.token_ids)
-            if not worker_done:
-                call.cancel()  # stop string, client gone or error: abort on the workers
-            tracing.end(leg, sys.exc_info()[1])  # the exception leaving the leg, if any
+            self._close_leg(leg, sys.exc_info()[1])  # the exception leaving the leg, if any
 
-    def _logprobs(self, chunk: pb.GenerateChunk, decode) -> list[TokenLogprob] | None:
+    def _open_leg(self, decode: WorkerView) -> _Leg:
+        """Open the next leg's `Generate` stream on `decode`: the prompt plus the tokens sent so
+        far (the first leg alone asks for the prompt's logprobs), with the (at most two)
+        prefill workers the policy orders for it. Counts it open on `decode`, its prompt as in
+        flight on the first prefill worker, and its blocks as expected in `decode`'s cache."""
+        router, done = self.router, len(self.output_ids)
+        params = self.params if not done else dataclasses.replace(  # the first leg sent the prompt's logprobs
+            self.params, max_tokens=self.params.max_tokens - done, first_position=self.params.first_position + done,
+            prompt_logprobs=None)
+        prompt = self.prompt if not done else PromptKeys(self.prompt_ids + self.output_ids)
+        route = self.route if not done else self._leg_route()
+        leg = _Leg(decode, router.order_prefill(route, decode)[:2], prompt, params)
+        request = pb.GenerateRequest(
+            request_id=self.request_id, prompt_token_ids=prompt.token_ids,
+            sampling=sampling_to_proto(params), prefill_addresses=[p.address for p in leg.prefill],
+            kv_transport=router.config.kv_transport,
+            prefill_queued_tokens=leg.prefill[0].queued_prefill_tokens if leg.prefill else 0,
+        )
+        self.result.decode_worker = decode.worker_id
+        leg.span = tracing.start_span("pdserve.decode_leg", client=True, request_id=self.request_id,
+                                      decode_worker=decode.worker_id, migration=self.migrations,
+                                      resumed_after_tokens=done)
+        leg.call = decode.stub.Generate(request, timeout=router.config.request_timeout_s,
+                                        metadata=tracing.metadata(leg.span))
+        # its blocks will be cached there, however prefilled
+        router.registry.cache_index.expect(decode.worker_id, prompt)
+        decode.note_opened(self.request_id)
+        if leg.prefill:
+            leg.prefill[0].inflight_tokens += len(prompt.token_ids)
+        return leg
+
+    def _first_token(self, leg: _Leg, chunk: pb.GenerateChunk) -> None:
+        """The leg's first token came: its prompt is no longer in flight on the prefill worker,
+        whichever prefilled it now caches its blocks; the request's first token (of any leg)
+        sets its TTFT and cache figures; the prompt's logprobs wait for the leg's next delta."""
+        leg.got_token = True
+        tracing.add_event("first_token", on=leg.span, prefilled_by=chunk.prefilled_by)
+        if leg.prefill:
+            leg.prefill[0].inflight_tokens -= len(leg.prompt.token_ids)
+        for worker in leg.prefill:
+            if worker.worker_id == chunk.prefilled_by:  # and where it was prefilled
+                self.router.registry.cache_index.expect(worker.worker_id, leg.prompt)
+        if self.result.first_token_at is None:
+            self.result.first_token_at = time.perf_counter()
+            self.result.prefilled_by = chunk.prefilled_by
+            self.result.num_cached_tokens = chunk.num_cached_tokens
+            self.result.expected_cached_tokens = self._expected_cached(leg.decode, leg.prefill, chunk.prefilled_by)
+        leg.prompt_logprobs = self._prompt_logprobs(chunk, leg.decode, leg.params)
+
+    def _take(self, leg: _Leg, chunk: pb.GenerateChunk) -> Delta | None:
+        """Add a chunk's tokens to the request's: the delta to send (None: nothing yet), with
+        a finish reason when the worker finished the request or a stop string matched (then
+        the whole conversation so far is expected in the decode worker's cache)."""
+        detok = self._detok
+        text = "".join(detok.add_token(t) for t in chunk.token_ids if not detok.stopped)
+        self.result.num_completion_tokens += len(chunk.token_ids)
+        self.output_ids.extend(chunk.token_ids)
+        leg.worker_done = bool(chunk.finish_reason)
+        finish = "stop" if detok.stopped else (chunk.finish_reason or None)
+        if finish:
+            text += detok.flush()
+            self.result.finish_reason = finish
+            # the conversation so far stays cached on the decode worker (all but the
+            # last token, whose KV was never computed): its next turn will look for it
+            self.router.registry.cache_index.expect(leg.decode.worker_id,
+                                                    PromptKeys(self.prompt_ids + self.output_ids))
+        elif not (text or chunk.token_ids):
+            return None
+        prompt_logprobs, leg.prompt_logprobs = leg.prompt_logprobs, None
+        return Delta(text, list(chunk.token_ids), finish, self._logprobs(chunk, leg.decode), prompt_logprobs)
+
+    def _rpc_failure(self, decode: WorkerView, exc: grpc.aio.AioRpcError) -> Exception:
+        """What a leg's failed call raises: the client's 400 for a request the worker found
+        invalid; before any token, `_RetryElsewhere` for a worker unavailable, full (429) or
+        that already had the request id; a resumable failure for a worker gone or broken
+        (`_MIGRATABLE`); else the client's error, with the worker kept out of routing a while."""
+        code = exc.code()
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            return GenerationError(exc.details(), 400)
+        if not self.output_ids and code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ALREADY_EXISTS,
+                                            grpc.StatusCode.RESOURCE_EXHAUSTED):
+            full = code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            return _RetryElsewhere(exc.details(), 429 if full else 503)
+        if code in _MIGRATABLE:
+            return self._failed(decode, code.name.lower(), f"{code.name}: {exc.details()}")
+        self.router.registry.mark_unhealthy(decode)
+        return GenerationError(f"decode worker {decode.worker_id} failed: {code.name}: {exc.details()}")
+
+    def _close_leg(self, leg: _Leg, error: BaseException | None) -> None:
+        """However the leg ended: no longer open on its decode worker, nor in flight on the
+        prefill worker (when no token came); a stream the worker did not finish itself is
+        cancelled (stop string, client gone or error: the request is aborted on the
+        workers); its span ends, failed with `error` if any."""
+        leg.decode.note_closed()
+        if leg.prefill and not leg.got_token:
+            leg.prefill[0].inflight_tokens -= len(leg.prompt.token_ids)
+        if not leg.worker_done:
+            leg.call.cancel()
+        tracing.end(leg.span, error)
+
+    def _logprobs(self, chunk: pb.GenerateChunk, decode: WorkerView) -> list[TokenLogprob] | None:
         """The chunk's per-token logprobs, checked, when the request asked for them."""
         want = self.params.logprobs
         if want is None:
@@ -262,7 +321,8 @@ class Generation:
         except ValueError as exc:
             raise GenerationError(f"decode worker {decode.worker_id} sent bad logprobs: {exc}", 502) from None
 
-    def _prompt_logprobs(self, chunk: pb.GenerateChunk, decode, params: SamplingParams) -> list[TokenLogprob] | None:
+    def _prompt_logprobs(self, chunk: pb.GenerateChunk, decode: WorkerView,
+                         params: SamplingParams) -> list[TokenLogprob] | None:
         """A leg's first chunk's prompt logprobs (tokens 1..n-1's), checked, when it asked."""
         if params.prompt_logprobs is None:
             return None
@@ -277,14 +337,14 @@ class Generation:
         except ValueError as exc:
             raise GenerationError(f"decode worker {decode.worker_id} sent bad prompt logprobs: {exc}", 502) from None
 
-    def _failed(self, decode, reason: str, what: str, status: int = 503) -> Exception:
+    def _failed(self, decode: WorkerView, reason: str, what: str, status: int = 503) -> Exception:
         """A leg's failure: resumable once it has sent tokens, else the client's error."""
         message = f"decode worker {decode.worker_id} failed: {what}"
         if self.output_ids:
             return _LegFailed(message, reason)
         return GenerationError(message, status)
 
-    def _expected_cached(self, decode, prefill, prefilled_by: str) -> int:
+    def _expected_cached(self, decode: WorkerView, prefill: list[WorkerView], prefilled_by: str) -> int:
         """The cached prompt tokens the route predicted for the worker that prefilled."""
         if prefilled_by == "local":
             return self.route.cached_on(decode)

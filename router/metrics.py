@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pdserve.router.worker_metrics import WorkerMetrics
+
+if TYPE_CHECKING:
+    from pdserve.router.generation import Generation
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 POOLS = ("prefill", "decode")
@@ -110,7 +115,7 @@ class RouterMetrics:
             self.autoscaler_desired.labels(pool).set(summary["desired"][pool])
             self.autoscaler_correction.labels(pool).set(summary["correction"][pool])
 
-    def observe(self, generation, end: float) -> None:
+    def observe(self, generation: Generation, end: float) -> None:
         """Record a finished request; `end` is when it finished (perf_counter)."""
         result = generation.result
         self.requests.labels(result.finish_reason or "error").inc()

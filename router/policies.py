@@ -33,8 +33,9 @@ class CacheAwareWeights:
     worth 4 more open requests before a request goes elsewhere. `kv_tokens`: what a worker
     whose KV cache is full costs (scaled by the fraction in use)."""
 
-    request_tokens: int = 256
-    kv_tokens: int = 512
+    request_tokens: int = field(default=256, metadata={
+        "help": "cache-aware: prompt tokens one open request on a decode worker is worth"})
+    kv_tokens: int = field(default=512, metadata={"help": "cache-aware: prompt tokens a full KV cache is worth"})
 
     def __post_init__(self) -> None:
         if self.request_tokens < 0 or self.kv_tokens < 0:

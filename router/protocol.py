@@ -25,7 +25,8 @@ class StreamOptions(BaseModel):
 
 class _SamplingFields(BaseModel):
     """Fields both endpoints share. Unknown fields are rejected, except a few that OpenAI
-    clients send with neutral values (checked in `unsupported`)."""
+    clients send with neutral values (checked in `unsupported`). A field named as a
+    SamplingParams field sets it as it is (router/sampling.py maps the others)."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -13,6 +13,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 
@@ -21,8 +22,13 @@ from pdserve.router import protocol
 from pdserve.router.errors import APIError
 from pdserve.router.generation import Delta, Generation, GenerationError
 from pdserve.router.logprobs import chat_logprobs, completion_logprobs, echo_logprobs, joined
+from pdserve.router.state import FinishedRequest
+
+if TYPE_CHECKING:
+    from pdserve.router.state import Router
 
 _END = object()
+_DONE = b"data: [DONE]\n\n"
 
 
 @dataclass
@@ -83,12 +89,12 @@ def usage(generations: list[Generation]) -> dict:
                           first.result.num_cached_tokens)
 
 
-def begin(router) -> None:
+def begin(router: Router) -> None:
     router.inflight += 1
     router.metrics.inflight.inc()
 
 
-def end(router, generations: list[Generation]) -> None:
+def end(router: Router, generations: list[Generation]) -> None:
     router.inflight -= 1
     router.metrics.inflight.dec()
     finished_at = time.perf_counter()
@@ -97,9 +103,10 @@ def end(router, generations: list[Generation]) -> None:
         result = generation.result
         if result.finish_reason in ("stop", "length") and result.first_token_at is not None:
             now = time.monotonic()
-            router.finished.append((now, len(generation.prompt_ids), result.num_completion_tokens,
-                                    result.first_token_at - generation.started, result.tpot_s(finished_at),
-                                    result.num_cached_tokens, now - (finished_at - generation.started)))
+            router.finished.append(FinishedRequest(
+                end=now, prompt_tokens=len(generation.prompt_ids), completion_tokens=result.num_completion_tokens,
+                ttft_s=result.first_token_at - generation.started, tpot_s=result.tpot_s(finished_at),
+                cached_tokens=result.num_cached_tokens, arrival=now - (finished_at - generation.started)))
 
 
 async def collect(request: Request, generations: list[Generation]) -> list[Collected]:
@@ -127,9 +134,7 @@ async def collect(request: Request, generations: list[Generation]) -> list[Colle
         retry = {"Retry-After": "1"} if exc.status in (429, 503) else None
         raise APIError(exc.status, str(exc), headers=retry) from None
     except asyncio.CancelledError:
-        for generation in generations:
-            if generation.result.finish_reason is None:
-                generation.result.finish_reason = "abort"
+        _mark_unfinished(generations, "abort")
         if client_gone and not asyncio.current_task().cancelling():
             # we cancelled it: end the request normally (the answer goes nowhere) rather than
             # letting CancelledError escape into the ASGI server as an unhandled exception
@@ -140,7 +145,7 @@ async def collect(request: Request, generations: list[Generation]) -> list[Colle
     return collected
 
 
-def json_body(router, rid: str, model: str, chat: bool, generations: list[Generation],
+def json_body(router: Router, rid: str, model: str, chat: bool, generations: list[Generation],
               collected: list[Collected], return_token_ids: bool, echo: str | None = None) -> dict:
     """The whole answer of a non-streaming request; `echo`: the prompt's text, to answer
     before each completion's (completions' `echo`)."""
@@ -163,7 +168,7 @@ def json_body(router, rid: str, model: str, chat: bool, generations: list[Genera
             "model": model, "choices": choices, "usage": usage(generations)}
 
 
-def _completion_logprobs(router, generation: Generation, logprobs: list[TokenLogprob],
+def _completion_logprobs(router: Router, generation: Generation, logprobs: list[TokenLogprob],
                          prompt_logprobs: list[TokenLogprob] | None, echo: bool, text_offset: int) -> tuple[dict, int]:
     """Completions-shaped logprobs of `logprobs` from `text_offset`, after the echoed
     prompt's when `echo` (then `prompt_logprobs` holds prompt tokens 1..n-1's)."""
@@ -174,67 +179,97 @@ def _completion_logprobs(router, generation: Generation, logprobs: list[TokenLog
     return joined(prompt_part, rest), text_offset
 
 
-async def sse(router, rid: str, generations: list[Generation], model: str, chat: bool,
+class _StreamChunks:
+    """The SSE events of one streamed request, in OpenAI's chunk shapes: every chunk names its
+    choice's index; with `continuous_usage_stats`, every one that carries choices also carries
+    the usage so far; a choice's first chunk starts with `echo` (the prompt's text) and its
+    logprobs, when asked."""
+
+    def __init__(self, router: Router, rid: str, generations: list[Generation], model: str, chat: bool,
+                 options: protocol.StreamOptions, return_token_ids: bool, echo: str | None) -> None:
+        self.router, self.rid, self.generations, self.model, self.chat = router, rid, generations, model, chat
+        self.return_token_ids, self.echo = return_token_ids, echo
+        self.created = int(time.time())
+        self.continuous = options.include_usage and options.continuous_usage_stats
+        self.text_offsets = [0] * len(generations)  # completions logprobs: where each choice's next token starts
+        self.to_echo = [echo is not None] * len(generations)
+
+    def event(self, payload: dict) -> bytes:
+        """`payload` as one SSE event."""
+        if self.continuous and payload.get("choices"):
+            payload["usage"] = usage(self.generations)
+        return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+    def role(self, index: int) -> dict:
+        """A chat choice's first chunk: the assistant's role, no content yet."""
+        chunk = protocol.chat_chunk(self.rid, self.model, self.created, {"role": "assistant", "content": ""}, None)
+        chunk["choices"][0]["index"] = index
+        return chunk
+
+    def chunk(self, index: int, delta: Delta) -> dict:
+        """Choice `index`'s `delta` as a chunk."""
+        if self.chat:
+            content = {"content": delta.text} if delta.text else {}
+            chunk = protocol.chat_chunk(self.rid, self.model, self.created, content, delta.finish_reason)
+        else:
+            text = (self.echo if self.to_echo[index] else "") + delta.text
+            chunk = protocol.completion_chunk(self.rid, self.model, self.created, text, delta.finish_reason)
+        choice = chunk["choices"][0]
+        choice["index"] = index
+        if self.return_token_ids:
+            choice["token_ids"] = delta.token_ids
+        if delta.logprobs is not None:
+            choice["logprobs"] = self._logprobs(index, delta)
+        self.to_echo[index] = False
+        return chunk
+
+    def _logprobs(self, index: int, delta: Delta) -> dict:
+        """Choice `index`'s `delta`'s logprobs, chat- or completions-shaped (the latter moving
+        the choice's text offset on)."""
+        if self.chat:
+            return chat_logprobs(self.router.tokenizer, delta.logprobs)
+        logprobs, self.text_offsets[index] = _completion_logprobs(
+            self.router, self.generations[index], delta.logprobs, delta.prompt_logprobs, self.to_echo[index],
+            self.text_offsets[index])
+        return logprobs
+
+    def usage_chunk(self) -> dict:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return protocol.usage_chunk(self.rid, self.model, self.created, kind, usage(self.generations))
+
+
+def _mark_unfinished(generations: list[Generation], reason: str) -> None:
+    """Give every choice that has no finish reason yet `reason`."""
+    for generation in generations:
+        if generation.result.finish_reason is None:
+            generation.result.finish_reason = reason
+
+
+async def sse(router: Router, rid: str, generations: list[Generation], model: str, chat: bool,
               options: protocol.StreamOptions, return_token_ids: bool, echo: str | None = None):
     """The SSE stream of a request: chunks (each naming its choice's index), then (with
     `include_usage`) a usage chunk, then `[DONE]`; with `continuous_usage_stats` too, every
     chunk carries the usage so far. `echo`: the prompt's text, which each choice's first
-    chunk starts with (with its logprobs, when asked)."""
-    created = int(time.time())
-    kind = "chat.completion.chunk" if chat else "text_completion"
-    continuous = options.include_usage and options.continuous_usage_stats
-    text_offsets = [0] * len(generations)  # completions logprobs: where each choice's next token starts
-    to_echo = [echo is not None] * len(generations)
-
-    def event(payload: dict) -> bytes:
-        if continuous and payload.get("choices"):
-            payload["usage"] = usage(generations)
-        return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
-
-    def chunk_of(index: int, delta: Delta) -> dict:
-        if chat:
-            content = {"content": delta.text} if delta.text else {}
-            chunk = protocol.chat_chunk(rid, model, created, content, delta.finish_reason)
-        else:
-            text = (echo if to_echo[index] else "") + delta.text
-            chunk = protocol.completion_chunk(rid, model, created, text, delta.finish_reason)
-        choice = chunk["choices"][0]
-        choice["index"] = index
-        if return_token_ids:
-            choice["token_ids"] = delta.token_ids
-        if delta.logprobs is not None:
-            if chat:
-                choice["logprobs"] = chat_logprobs(router.tokenizer, delta.logprobs)
-            else:
-                choice["logprobs"], text_offsets[index] = _completion_logprobs(
-                    router, generations[index], delta.logprobs, delta.prompt_logprobs, to_echo[index],
-                    text_offsets[index])
-        to_echo[index] = False
-        return chunk
-
+    chunk starts with (with its logprobs, when asked). A failed choice ends the stream with
+    an error event, then `[DONE]`."""
+    chunks = _StreamChunks(router, rid, generations, model, chat, options, return_token_ids, echo)
     begin(router)  # counted from the first iteration: a stream never started holds nothing
     try:
         if chat:
             for index in range(len(generations)):
-                role = protocol.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None)
-                role["choices"][0]["index"] = index
-                yield event(role)
+                yield chunks.event(chunks.role(index))
         try:
             async for index, delta in merged_deltas(generations):
-                yield event(chunk_of(index, delta))
+                yield chunks.event(chunks.chunk(index, delta))
         except (GenerationError, APIError) as exc:
-            status = getattr(exc, "status", 503)
-            for generation in generations:
-                if generation.result.finish_reason is None:
-                    generation.result.finish_reason = "error"
-            yield event({"error": {"message": str(exc), "type": "server_error", "code": status}})
-            yield b"data: [DONE]\n\n"
+            _mark_unfinished(generations, "error")
+            yield chunks.event({"error": {"message": str(exc), "type": "server_error",
+                                          "code": getattr(exc, "status", 503)}})
+            yield _DONE
             return
         if options.include_usage:
-            yield event(protocol.usage_chunk(rid, model, created, kind, usage(generations)))
-        yield b"data: [DONE]\n\n"
+            yield chunks.event(chunks.usage_chunk())
+        yield _DONE
     finally:
-        for generation in generations:
-            if generation.result.finish_reason is None:
-                generation.result.finish_reason = "abort"  # the client went away mid-stream
+        _mark_unfinished(generations, "abort")  # the client went away mid-stream
         end(router, generations)

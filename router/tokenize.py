@@ -9,12 +9,18 @@ router has them, like /v1/*.
 
 from __future__ import annotations
 
-from fastapi import Request
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from pdserve.engine.tokenizer import apply_chat_template, check_token_ids
 from pdserve.router.errors import APIError, check_model
 from pdserve.router.protocol import ChatMessage, template_messages
+
+if TYPE_CHECKING:
+    from pdserve.router.state import Router
 
 
 class TokenizeRequest(BaseModel):
@@ -33,7 +39,8 @@ class DetokenizeRequest(BaseModel):
     tokens: list[StrictInt]
 
 
-def install_tokenize(app, router, read_body) -> None:
+def install_tokenize(app: FastAPI, router: Router,
+                     read_body: Callable[[Request, type[BaseModel]], Awaitable[BaseModel]]) -> None:
     """Add the two endpoints; `read_body(request, model)` parses and validates a body."""
 
     def tokenizer_for(name: str | None) -> object:

@@ -175,7 +175,7 @@ def free_port() -> int:
 
 
 class RouterProcess(_Process):
-    """The bare router (`python -m router`) over worker processes, its output in a log file.
+    """The bare router (`python -m pdserve.router`) over worker processes, its output in a log file.
     `env` values of None remove that variable. Use as a context manager, or call `stop()`."""
 
     _log_tail = 1 << 30  # tests read the whole log

@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 def run_worker(role: str, argv: list[str] | None, make_service: Callable) -> int:
     """Parse flags, load the engine, serve until signalled. `make_service(engine, config)`
     returns an object with `add_to(server)`, `async start()` and `async stop()`."""
-    parser = argparse.ArgumentParser(prog=f"python -m {role}_worker",
+    parser = argparse.ArgumentParser(prog=f"python -m pdserve.{role}_worker",
                                      description=f"pdserve {role} worker (gRPC server)")
     add_worker_args(parser)
     add_engine_args(parser)

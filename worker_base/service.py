@@ -1,5 +1,10 @@
 """What the prefill and decode workers' gRPC services share: the engine driver, the KV
-layout and torch transport, draining, and the Info/Stats answers."""
+layout and transports, draining, and the Info/Stats answers.
+
+Services reach the engine through its public API only (`LLMEngine`: requests, `load()`,
+and `kv_connector`, whose scheduler side reserves and admits KV from elsewhere and whose
+worker side is the KV cache the transports read and write); tests/unit/test_engine_api.py
+holds them to it."""
 
 from __future__ import annotations
 
@@ -7,8 +12,10 @@ import grpc
 
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.stats import EngineLoad
+from pdserve.kv_transfer.base import TransportSettings
 from pdserve.kv_transfer.layout import KVLayout
-from pdserve.kv_transfer.torch_transport import TorchTransport
+from pdserve.kv_transfer.registry import KVTransports
 from pdserve.protos import pdserve_pb2 as pb
 from pdserve.worker_base.config import WorkerConfig
 from pdserve.worker_base.telemetry import TransferCounters, histogram_to_proto
@@ -27,27 +34,27 @@ class WorkerServiceBase:
         self.aengine = AsyncEngine(engine, stats_fn=self._stats, name=self.role)
         self.draining = False  # set by drain(): refuse new requests, finish open ones
         self.transfers = TransferCounters()  # KV transfers, for Stats (worker_base.telemetry)
-        self.layout = KVLayout.of_cache(engine.runner.kv_cache)
-        self.torch_transport = TorchTransport(
-            config.worker_id, self.layout, engine.runner.kv_cache.device,
-            max_piece_tokens=engine.config.max_num_batched_tokens, host=config.host,
-            timeout_s=config.kv_transfer_timeout_s, send_deadline_s=config.kv_send_deadline_s,
-        )
+        self.kv = engine.kv_connector
+        cache = self.kv.worker_side.cache_tensor
+        self.layout = KVLayout.of_cache(cache)
+        self.transports = KVTransports(TransportSettings(
+            config.worker_id, self.layout, cache.device, max_piece_tokens=engine.config.max_num_batched_tokens,
+            host=config.host, timeout_s=config.kv_transfer_timeout_s, send_deadline_s=config.kv_send_deadline_s,
+        ))
 
     async def start(self) -> None:
         self.aengine.start()
 
     async def stop(self) -> None:
         await self.aengine.stop()
-        self.torch_transport.close()
+        self.transports.close()
 
     async def Info(self, request, context) -> pb.WorkerInfo:
         info = pb.WorkerInfo(
             worker_id=self.config.worker_id, role=self.role, model=self.engine.config.model,
-            kv_transports=["torch", "grpc"], kv_endpoint=self._kv_endpoint(),
-            max_model_len=self.engine.max_model_len, vocab_size=self.engine.loaded.shape.vocab_size,
-            cache_root=self.engine.block_manager.root,
-            prefix_caching=self.engine.block_manager.enable_prefix_caching,
+            kv_transports=self.transports.names, kv_endpoint=self._kv_endpoint(),
+            max_model_len=self.engine.max_model_len, vocab_size=self.engine.vocab_size,
+            cache_root=self.kv.scheduler_side.cache_root, prefix_caching=self.kv.scheduler_side.prefix_caching,
         )
         self.layout.to_proto(info.layout)
         return info
@@ -63,7 +70,7 @@ class WorkerServiceBase:
 
     async def CacheEvents(self, request, context) -> pb.CacheEventsReply:
         async with self.aengine.lock:  # between steps: the cache is not changing
-            delta = self.engine.block_manager.cache_events(request.cursor)
+            delta = self.kv.scheduler_side.cache_events(request.cursor)
         return pb.CacheEventsReply(next_cursor=delta.next_cursor, reset=delta.reset, stored=delta.stored,
                                    removed=delta.removed)
 
@@ -71,20 +78,20 @@ class WorkerServiceBase:
         return ""
 
     def _stats(self) -> pb.WorkerStats:
-        """The role's load report: `_worker_stats(...)` with its own counts."""
+        """The role's load report: `_worker_stats(load, ...)` with its own counts."""
         raise NotImplementedError
 
-    def _worker_stats(self, **fields) -> pb.WorkerStats:
-        scheduler, blocks = self.engine.scheduler, self.engine.block_manager
+    def _worker_stats(self, load: EngineLoad, **fields) -> pb.WorkerStats:
+        """The report every role shares, from the engine's `load` (`fields` add the role's)."""
         stats = pb.WorkerStats(
-            worker_id=self.config.worker_id, role=self.role, num_free_blocks=blocks.num_free_blocks,
-            num_total_blocks=blocks.num_blocks,
-            num_preemptions=scheduler.num_preemptions, num_finished=self.aengine.num_finished,
-            draining=self.draining, prefix_cache_queries=scheduler.num_cache_queries,
-            prefix_cache_query_tokens=scheduler.num_cache_query_tokens,
-            prefix_cache_hit_tokens=scheduler.num_cache_hit_tokens, num_cached_blocks=blocks.num_cached_blocks,
-            prefill_tokens_computed=self.engine.num_prefill_tokens_computed,
-            decode_tokens_computed=self.engine.num_decode_tokens_computed,
+            worker_id=self.config.worker_id, role=self.role, num_free_blocks=load.num_free_blocks,
+            num_total_blocks=load.num_total_blocks,
+            num_preemptions=load.num_preemptions, num_finished=self.aengine.num_finished,
+            draining=self.draining, prefix_cache_queries=load.prefix_cache_queries,
+            prefix_cache_query_tokens=load.prefix_cache_query_tokens,
+            prefix_cache_hit_tokens=load.prefix_cache_hit_tokens, num_cached_blocks=load.num_cached_blocks,
+            prefill_tokens_computed=load.prefill_tokens_computed,
+            decode_tokens_computed=load.decode_tokens_computed,
             transfers=self.transfers.to_proto(), **fields,
         )
         histogram_to_proto(self.aengine.step_seconds, stats.step_seconds)

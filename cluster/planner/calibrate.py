@@ -27,18 +27,16 @@ that the steps' total is kept. Decode steps ran 10-25% slower while the prefill 
 the other core computed (45% of a calibration's steps, 20-30% of some runs'); by the share
 of the step the prefill engines computed, the interference run's decode time was
 over-predicted by 5.5-8%, by their token rate by 2.6-4% (decode steps ran 18-20% longer
-beside short prompts' prefill, 8-10% beside 2,000-token prompts', run D of 2026-12-04).
+beside short prompts' prefill, 8-10% beside 2,000-token prompts').
 
 Why one factor and not one each for the profile's fixed part (d0) and its per-request part
-(d1 B + d2 C), as this module fitted until 2026-12-05: a calibration replay's batches span
-a narrow range (8-16 requests), so the split absorbs the profile's own shape error there
-and carries it to the batches other workloads run. Replayed on two validations' step logs
-(runs I and J of 2026-12-04; the same profile, logs and simulator): the split fitted the
-fixed part 1.19-1.24x and the per-request part 0.97-0.99x, and online 0.7x's decode steps
-(7 requests a batch, where the calibration ran 12-15) ran 0.94-0.98x that model -- predicted
-attainment at the tight TPOT 21.7 and 22.5 pp below measured; one factor put them at
-1.00x, and that point at 3.3 and 7.5 pp, every other point within 10 pp as before (J 18 of
-18, I 17 of 18).
+(d1 B + d2 C), as an earlier version fitted: a calibration replay's batches span a narrow
+range (8-16 requests), so the split absorbs the profile's own shape error there and carries
+it to the batches other workloads run. Replayed on two validations' step logs, the split
+fitted the fixed part 1.19-1.24x and the per-request part 0.97-0.99x, and a workload of
+7-request batches ran 0.94-0.98x that model (its tight-TPOT attainment predicted over 20 pp
+below measured); one factor put those steps at 1.00x. The measurements, run by run:
+benchmarks/README.md, "How the planner's model got where it is".
 Pure: no I/O here.
 """
 
@@ -104,7 +102,7 @@ def prefill_rate(steps: list[dict]) -> list[float]:
     replays, one service after another, or `pdserve calibrate` over a directory of earlier
     runs) holds engines that never ran beside each other. Averaged over all of them, three
     replays' pooled rates came out a third of each replay's own and the co-tenancy term
-    fitted on them 3x (6.5e-4 against 2.1-2.3e-4 per token a second, run G of 2026-12-04)."""
+    fitted on them 3x (6.5e-4 against 2.1-2.3e-4 per token a second)."""
     engines: dict[int, list[tuple[float, float, float]]] = {}
     for step in sorted((s for s in steps if s.get("name") == PREFILL_ENGINE), key=lambda s: s["t"]):
         engines.setdefault(step["pid"], []).append((step["t"], step["t"] + step["s"], step["T"] / max(step["s"], 1e-6)))
@@ -135,8 +133,8 @@ def cpu_split(steps: list[dict]) -> dict[str, dict[str, float]]:
     engine of one torch thread; with more, torch's worker threads count under "threads".
     Logs from before the split was recorded give {}.
 
-    Why: it tells what a calibration's factors are made of. In one validation (2026-12-04,
-    run H) a 1-core decode worker's steps spent 4% of the model's time in its other threads
+    Why: it tells what a calibration's factors are made of. In one validation a 1-core
+    decode worker's steps spent 4% of the model's time in its other threads
     and none elsewhere while the prefill worker on the other core was idle, and 8% and 6-8%
     while it computed (the router and the clients moved onto the decode worker's core); in
     a calibration replay that overloaded the prefill worker, 9% and 11%."""
@@ -192,7 +190,7 @@ def fit_mixed_size(profile: Profile, steps: list[dict]) -> tuple[float, float] |
     spanning less than MIN_SIZE_SPREAD. Capped at 0.5: steeper would have a longer step take less time.
 
     Why: a colocated engine (two torch threads on 2 cores) took 1.8-1.9x the model at
-    0.3-0.6 s steps and 1.3-1.4x at 2.2-3.5 s (runs I and J of 2026-12-04). One factor
+    0.3-0.6 s steps and 1.3-1.4x at 2.2-3.5 s (benchmarks/README.md). One factor
     fitted on a calibration replay's 0.2-1.9 s steps over-predicted the interference runs'
     2.9 s prompts by 15-25% and under-predicted their small steps; with a = 0.12-0.14 from
     the same replays, both came within 10%. Profile.colocated_step_s applies it."""
@@ -256,8 +254,8 @@ def fit_mixed_terms(profile: Profile, steps: list[dict], k: float) -> float | No
     Why co-tenancy from the decode steps and not a factor of the mixed steps' own: a decode
     worker's mixed steps slow beside a computing prefill worker as its decode steps do, and
     a calibration replay's mixed steps all ran beside one (short prompts, 1,000-1,100 prompt
-    tokens a second), which one factor carried to every run. Replayed on run D of 2026-12-04
-    (with the K term): one factor of 1.38-1.44 put the interference run's mixed steps, which
+    tokens a second), which one factor carried to every run. Replayed on one validation's
+    step logs (with the K term): one factor of 1.38-1.44 put the interference run's mixed steps, which
     ran beside 150-160 prompt tokens a second, at 1.20-1.27x their measured time and chat's
     (30 tokens a second) at 1.27-1.33x; m = 1.17-1.22 with the decode's k put them at
     1.04-1.07x and 1.08-1.11x, online's at 0.89-0.98x (1.0-1.1x before). The calibration's

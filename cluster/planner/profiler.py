@@ -30,8 +30,8 @@ from pdserve.engine.step_log import StepShape
 
 CACHED_PREFIXES = (512, 1536)  # cached prefix lengths the K term is profiled over
 # (rows, per-row context) of the decode steps profiled: serving's shapes, 1-64 rows at
-# 64-2,048 tokens a row (online's rows carry 400-500, chat's 1,000-1,400; until 2026-12-05
-# the grid stopped at 512 a row, and serving's long rows ran up to 1.22x its model), at most
+# 64-2,048 tokens a row (online's rows carry 400-500, chat's 1,000-1,400; a grid that
+# stopped at 512 a row had serving's long rows run up to 1.22x its model), at most
 # 16,384 tokens in all (the prefill that reaches the batch stays short)
 DECODE_SHAPES = ((1, 64), (1, 512), (1, 1024), (1, 2048), (2, 512), (4, 64), (4, 512), (4, 1024), (4, 2048),
                  (8, 128), (8, 512), (8, 1024), (16, 64), (16, 256), (16, 512), (16, 1024), (32, 128), (32, 512),

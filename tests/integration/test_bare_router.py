@@ -1,4 +1,4 @@
-"""The bare router (`python -m router`, no Ray) over real worker processes and real gRPC:
+"""The bare router (`python -m pdserve.router`, no Ray) over real worker processes and real gRPC:
 the round-robin policy, a client hanging up on a non-streaming request, admin disabled."""
 
 import asyncio

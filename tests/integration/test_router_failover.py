@@ -10,10 +10,11 @@ import dataclasses
 import pytest
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.router.app import Router, RouterConfig
 from pdserve.router.cache_index import PromptKeys
+from pdserve.router.config import RouterConfig
 from pdserve.router.generation import Generation, GenerationError
 from pdserve.router.registry import WorkerRegistry
+from pdserve.router.state import Router
 from pdserve.testkit.workers import SECURITY, RouterProcess, WorkerProcess, wait_idle_at
 from tests.e2e.http import metric
 from tests.integration.streaming import serving_worker, stream_ids

@@ -10,9 +10,11 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.protos import pdserve_pb2 as pb
-from pdserve.router.app import Router, RouterConfig, build_app
+from pdserve.router.app import build_app
+from pdserve.router.config import RouterConfig
 from pdserve.router.dashboard import TransferRates, latency_view
 from pdserve.router.registry import WorkerView
+from pdserve.router.state import FinishedRequest, Router
 from pdserve.rpc.security import Security
 
 SLO = {"ttft_s": 1.0, "tpot_s": 0.1, "percentile": 90.0}
@@ -121,9 +123,14 @@ def test_with_a_controller_it_shows_targets_starting_workers_slos_and_events():
 
 def test_percentiles_rate_and_goodput_over_the_window():
     now = 1000.0
-    # (end, prompt tokens, completion tokens, ttft, tpot, cached): ages 5, 15, 25, 35 s and one too old
-    finished = [(now - 5, 10, 5, 0.5, 0.05, 0), (now - 15, 10, 5, 2.0, 0.05, 0), (now - 25, 10, 1, 0.2, None, 0),
-                (now - 35, 10, 5, 0.3, 0.5, 0), (now - 400, 10, 5, 9.0, 9.0, 0)]
+
+    def done(age_s: float, completion_tokens: int, ttft_s: float, tpot_s: float | None) -> FinishedRequest:
+        return FinishedRequest(end=now - age_s, prompt_tokens=10, completion_tokens=completion_tokens,
+                               ttft_s=ttft_s, tpot_s=tpot_s, cached_tokens=0, arrival=now - age_s - 1)
+
+    # ages 5, 15, 25, 35 s and one too old
+    finished = [done(5, 5, 0.5, 0.05), done(15, 5, 2.0, 0.05), done(25, 1, 0.2, None), done(35, 5, 0.3, 0.5),
+                done(400, 5, 9.0, 9.0)]
     lat = latency_view(finished, SLO, now, window_s=60, bucket_s=10)
     overall = lat["overall"]
     assert overall["count"] == 4 and overall["rate"] == 4 / 60

@@ -12,10 +12,9 @@ PROFILE = Profile("m", (0.005, 0.0001, 0.0), (0.002, 0.001, 0.0), kv_bytes_per_t
 
 
 def worker(profile=None, running=0, queued_here=0, threshold=64):
-    return SimpleNamespace(
-        config=SimpleNamespace(local_prefill_max_tokens=threshold), profile=profile,
-        engine=SimpleNamespace(scheduler=SimpleNamespace(running=[SimpleNamespace(num_tokens=100)] * running)),
-        _queued_prompt_tokens=lambda: queued_here)
+    load = SimpleNamespace(num_running=running, running_tokens=100 * running, queued_prompt_tokens=queued_here)
+    return SimpleNamespace(config=SimpleNamespace(local_prefill_max_tokens=threshold), profile=profile,
+                           engine=SimpleNamespace(load=lambda: load))
 
 
 def decide(w, num_tokens, cached, have_prefill=True, prefill_queue=0):
