@@ -12,14 +12,9 @@
    settling replay's calibration gives (serving's capacity, not the engine alone's: at the
    engine-only capacity, 1.3x serving's on this host, the prefill worker fell behind for the
    whole replay, and the decode worker's steps beside it ran slower than the runs' beside a
-   prefill worker computing as many tokens a second -- their own compute 1.11-1.13x the
-   engine-only model against 1.00-1.06x, other processes on their core 11% of it against
-   6-8%, in the step logs' CPU split of 2026-12-04 -- which the latency model does not
-   carry and every run was predicted too slow by; calibrated instead on the online point at
-   serving's capacity, 1.0x -- whose requests the other online points share, interference's
-   and chat's not -- the other 1P+1D points' 48 cells in four validations came within 7 pp
-   but for one, run F's interference at the tight TPOT, +11.9 pp after its rounds' drift,
-   where the calibration replays had missed 4 of those 48 by up to 30.8 pp);
+   prefill worker computing as many tokens a second, which the latency model does not
+   carry and every run was predicted too slow by; see benchmarks/README.md, "How the
+   planner's model got where it is", for the measurements);
    prefill and mixed steps scaled by their measured over their predicted time in
    all in that replay (mixed steps with a size exponent where their sizes span enough:
    calibrate.fit_mixed_size), decode steps by one factor and the extra while the prefill
@@ -33,12 +28,9 @@
    run, which is not the planner's error; every round's calibration pooled is reported
    beside it as "predicted_pooled"). Beside it, as a diagnostic, "predicted_warmup": the
    round's calibrated profile scaled, kind by kind, by how much longer the run's warm-up
-   burst's steps took than the calibration replay's (calibrate.speed_change). It was the
-   declared prediction of the validation of 2026-12-04 (chosen because, re-run on three
-   earlier validations' step logs, it took the cells within 10 pp from 43 to 48 of 54) and
-   did worse there than the round's calibration alone: 14 of 18 cells within 10 pp against
-   17; its warm-up read the runs' decode steps 0.88-1.32x where they ran 0.73-1.29x (an
-   engine probe with no service up, tried before it, did worse still: r = 0.35);
+   burst's steps took than the calibration replay's (calibrate.speed_change). It was once
+   the declared prediction and did worse than the round's calibration alone
+   (benchmarks/README.md, "Per-round calibration, and the warm-up diagnostic");
 3. predict SLO attainment with the simulator under the serving configuration's own
    policies (a decode worker prefills a prompt of at most `local_prefill_max_tokens`
    itself), with the engine-only profile's prediction beside it: online-poisson (its

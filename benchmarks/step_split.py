@@ -4,8 +4,8 @@ group's total time and model-forward time, and each group's fp32 / bf16 ratio.
 
 Runs offline-mixed once per dtype through `engine.LLM` (prefix caching off, so every
 prompt is prefilled, as benchmarks/offline_throughput.py runs it) with `engine.step`
-timed. It answers which steps hold the bf16 / fp32 ratio where it is: the README's
-Precision section quotes it. Writes benchmarks/results/step_split.json.
+timed. It answers which steps hold the bf16 / fp32 ratio where it is: benchmarks/README.md
+("Engine and precision") quotes it. Writes benchmarks/results/step_split.json.
 """
 
 from __future__ import annotations
