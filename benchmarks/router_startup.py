@@ -23,12 +23,14 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from contextlib import ExitStack
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.report import write  # noqa: E402
+from benchmarks.trees import importable, worktree  # noqa: E402
 
 
 def _free_port() -> int:
@@ -48,27 +50,13 @@ def _maps_torch(pid: int) -> bool:
     return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
 
 
-def importable(tree: Path, shim: Path) -> tuple[str, str]:
-    """(PYTHONPATH, router module) that run `tree`'s router rather than the installed one. Trees
-    since the one namespace install each directory as pdserve.<dir> (setup.py): `shim` gets a
-    `pdserve/` of links to them. Older trees imported their directories by their own names."""
-    if not (tree / "setup.py").exists():
-        return str(tree), "router"
-    (shim / "pdserve").mkdir(parents=True, exist_ok=True)
-    for package in tree.iterdir():
-        link = shim / "pdserve" / package.name
-        if (package / "__init__.py").exists() and not link.exists():
-            link.symlink_to(package)
-    return str(shim), "pdserve.router"
-
-
 def one_round(tree: Path, model: str, shim: Path, timeout_s: float = 120.0) -> dict:
     port = _free_port()
     started = time.perf_counter()
-    path, module = importable(tree, shim)
+    path, prefix = importable(tree, shim)
     env = {**os.environ, "PDSERVE_LOG_LEVEL": "WARNING", "PYTHONPATH": path,
            "PDSERVE_CLUSTER_TOKEN": "router-startup-benchmark-token"}
-    proc = subprocess.Popen([sys.executable, "-m", module, "--model", model, "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", prefix + "router", "--model", model, "--port", str(port),
                              "--decode", "127.0.0.1:1"], cwd=tree, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, env=env)
     try:
@@ -99,20 +87,14 @@ def main() -> None:
     parser.add_argument("--compare-ref", default=None, help="also measure this git revision's tree")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "router_startup.json"))
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         trees = {"working tree": ROOT}
         if args.compare_ref:
-            subprocess.run(["git", "worktree", "add", "--detach", f"{tmp}/ref", args.compare_ref], cwd=ROOT,
-                           check=True, capture_output=True)
-            trees[args.compare_ref] = Path(tmp) / "ref"
-        try:
-            rounds: dict[str, list] = {name: [] for name in trees}
-            for _ in range(args.rounds):
-                for name, tree in trees.items():
-                    rounds[name].append(one_round(tree, args.model, Path(tmp) / f"shim-{list(trees).index(name)}"))
-        finally:
-            if args.compare_ref:
-                subprocess.run(["git", "worktree", "remove", "--force", f"{tmp}/ref"], cwd=ROOT, check=False)
+            trees[args.compare_ref] = stack.enter_context(worktree(args.compare_ref, Path(tmp) / "ref"))
+        rounds: dict[str, list] = {name: [] for name in trees}
+        for _ in range(args.rounds):
+            for i, (name, tree) in enumerate(trees.items()):
+                rounds[name].append(one_round(tree, args.model, Path(tmp) / f"shim-{i}"))
     result = {"model": args.model, "rounds": args.rounds, "trees": {
         name: {"median_ready_s": statistics.median(r["ready_s"] for r in runs),
                "median_rss_mib": statistics.median(r["rss_mib"] for r in runs),
