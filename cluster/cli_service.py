@@ -296,7 +296,10 @@ def watch_status(fetch, interval_s: float, as_json: bool = False, sleep=time.sle
 
 
 def print_status(status: dict) -> None:
-    print(f"router: {status['router']}   model: {status['model']}")
+    sim = status.get("simulated")
+    simulated = (f" (simulated: the tokenizer and shapes of {sim['like']}, step times of "
+                 f"{sim['profile'] or 'the committed profile'} at speed {sim['speed']:g}, no weights)") if sim else ""
+    print(f"router: {status['router']}   model: {status['model']}{simulated}")
     routing = status.get("routing") or {}
     index = routing.get("index", {})
     if routing:

@@ -10,14 +10,15 @@ rest here; `router_config()` and `worker_kwargs()` build the processes' configs 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from pdserve.engine.config import DEFAULT_MODEL, EngineConfig
+from pdserve.engine.config import DEFAULT_MODEL, SIM_MODEL, EngineConfig, SimConfig, checkpoint_of
 from pdserve.protos import DEFAULT_KV_TRANSPORT
 from pdserve.router.config import KVTransport, ModelName, RouterConfig, RouterSettings, ServedModelName
 from pdserve.rpc.security import TOKEN_ENV, Security, new_token, resolve_token
@@ -42,6 +43,8 @@ class PoolSpec(BaseModel):
     @field_validator("engine")
     @classmethod
     def _engine_options(cls, value: dict) -> dict:
+        if "sim" in value:
+            raise ValueError("set `sim` at the top level: both pools and the router share it")
         try:
             EngineConfig.from_kwargs(**{"model": DEFAULT_MODEL, **value})  # names a bad option
         except TypeError as exc:
@@ -96,6 +99,8 @@ class ServeConfig(WorkerSettings):
     env: dict[str, str] = Field(default_factory=dict,
                                 description="environment of worker processes (KV pairs bind each worker's own "
                                             "address: no GLOO_SOCKET_IFNAME needed)")
+    sim: SimConfig = Field(default_factory=SimConfig, description="the simulated engine, when `model` is "
+                           f"`{SIM_MODEL}`: the tokenizer and shapes it takes, its latency profile and speed")
     router: RouterSettings = Field(default_factory=RouterSettings)
     prefill: PoolSpec = Field(default_factory=PoolSpec)
     decode: PoolSpec = Field(default_factory=PoolSpec)
@@ -109,6 +114,14 @@ class ServeConfig(WorkerSettings):
             raise ValueError("the decode pool needs at least 1 replica")
         return value
 
+    @field_validator("served_model_name")
+    @classmethod
+    def _sim_is_served_as_sim(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if info.data.get("model") == SIM_MODEL and value not in (None, SIM_MODEL):
+            raise ValueError(f"a simulated deployment is served as `{SIM_MODEL}`, so that no client mistakes it "
+                             f"for a model: leave it unset")
+        return value
+
     @model_validator(mode="after")
     def _autoscaler_needs_profile(self):
         if self.autoscaler.enabled and not self.autoscaler.profile:
@@ -119,11 +132,15 @@ class ServeConfig(WorkerSettings):
     def name(self) -> str:
         return self.served_model_name or self.model
 
+    def simulated(self) -> dict | None:
+        """The simulated engine's settings (`sim`) when the model is `sim`, else None."""
+        return dataclasses.asdict(self.sim) if self.model == SIM_MODEL else None
+
     def pool(self, role: str) -> PoolSpec:
         return self.prefill if role == "prefill" else self.decode
 
     def engine_kwargs(self, role: str) -> dict:
-        return {"model": self.model, **self.pool(role).engine}
+        return {"model": self.model, "sim": self.sim, **self.pool(role).engine}
 
     def security(self) -> Security:
         """The processes' credentials; ValueError when no cluster token is set (see `with_token`)."""
@@ -133,8 +150,9 @@ class ServeConfig(WorkerSettings):
 
     def router_config(self) -> RouterConfig:
         """The router's config: `router` and the deployment's part, with the environment's
-        fallbacks (RouterConfig.with_environment); ValueError without a cluster token."""
-        return RouterConfig(**dict(self.router), model=self.model, served_model_name=self.name,
+        fallbacks (RouterConfig.with_environment); ValueError without a cluster token. The
+        router loads the tokenizer of the model's checkpoint (`sim.like` for `sim`)."""
+        return RouterConfig(**dict(self.router), model=checkpoint_of(self.model, self.sim), served_model_name=self.name,
                             kv_transport=self.kv_transport, security=self.security(),
                             ttft_slo_s=self.autoscaler.ttft_slo_s, tpot_slo_s=self.autoscaler.tpot_slo_s,
                             otlp_traces_endpoint=self.tracing.otlp_endpoint).with_environment()

@@ -144,8 +144,8 @@ class Controller(Recovery):
             routing = await asyncio.wait_for(self.router.routing_summary.remote(), 3) if self.router else None
         except Exception:  # noqa: BLE001 - shown as unknown
             routing = None
-        return {"router": self.router_url, "model": self.config.name, "pools": pools, "events": list(self.events),
-                "autoscaler": autoscaler, "routing": routing}
+        return {"router": self.router_url, "model": self.config.name, "simulated": self.config.simulated(),
+                "pools": pools, "events": list(self.events), "autoscaler": autoscaler, "routing": routing}
 
     async def autoscaler_summary(self) -> dict | None:
         """The latest decision (for the router's metrics), or None when autoscaling is off."""

@@ -31,8 +31,8 @@ from typing import Any, Literal
 from pdserve.engine.config import EngineConfig
 
 _HELP = {
-    "model": "model name, local HF checkpoint dir, .gguf file, or cached hub id "
-             "(default: the embedded SmolLM2-135M-Instruct)",
+    "model": "model name, local HF checkpoint dir, .gguf file, or cached hub id, or `sim`: the simulated engine "
+             "(--sim-* flags; default: the embedded SmolLM2-135M-Instruct)",
     "device": "auto | cpu | cuda[:N] (auto: CUDA if present)",
     "dtype": "auto | float32 | bfloat16 | float16 (auto: bf16 on CUDA and on CPUs with native bf16 "
              "arithmetic, avx512_bf16 or amx_bf16; fp32 on other CPUs)",

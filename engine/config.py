@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+SIM_MODEL = "sim"  # the model name of the simulated engine (engine.sim)
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
 CPU_KV_CACHE_ENV = "PDSERVE_CPU_KV_CACHE_BYTES"  # overrides DEFAULT_CPU_KV_CACHE_BYTES
 
@@ -14,10 +16,45 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")  # what weights and KV may be s
 
 
 @dataclass(frozen=True)
+class SimConfig:
+    """The simulated engine (`model: sim`, engine.sim): the real engine with its forward pass
+    replaced by the latency model of a `pdserve profile`. Read only when the model is `sim`."""
+
+    like: str = field(default=DEFAULT_MODEL, metadata={
+        "help": "the model whose tokenizer and shapes (config.json) the simulated engine takes; its weights are "
+                "never loaded"})
+    profile: str | None = field(default=None, metadata={
+        "help": "a `pdserve profile` JSON whose latency model sets each step's time (default: the committed "
+                "2-core profile of SmolLM2-135M, engine/sim_profile.json)"})
+    speed: float = field(default=1.0, metadata={"help": "step times are the profile's divided by this"})
+    kv_bytes: bool = field(default=True, metadata={
+        "help": "ship KV of the real size; --no-sim-kv-bytes: a stand-in of one element per token and layer, "
+                "for clusters larger than memory allows"})
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.like, str) or not self.like or self.like == SIM_MODEL:
+            raise ValueError(f"sim.like must name a real model (its tokenizer and shapes), got {self.like!r}")
+        if self.profile is not None and (not isinstance(self.profile, str) or not self.profile):
+            raise ValueError(f"sim.profile must be a path to a `pdserve profile` JSON or null, got {self.profile!r}")
+        speed = self.speed
+        if isinstance(speed, bool) or not isinstance(speed, int | float) or not (math.isfinite(speed) and speed > 0):
+            raise ValueError(f"sim.speed must be a finite number > 0, got {speed!r}")
+        if not isinstance(self.kv_bytes, bool):
+            raise ValueError(f"sim.kv_bytes must be true or false, got {self.kv_bytes!r}")
+
+
+def checkpoint_of(model: str, sim: SimConfig) -> str:
+    """The model whose tokenizer and config.json `model` loads: `sim.like` for the simulated
+    engine, `model` itself otherwise."""
+    return sim.like if model == SIM_MODEL else model
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """What one engine instance runs and with how much memory.
 
-    `model` is a model name or path as accepted by `engine.model_source.resolve_model`.
+    `model` is a model name or path as accepted by `engine.model_source.resolve_model`, or
+    `sim` (SIM_MODEL): the simulated engine configured by `sim` (a mapping is taken as its fields).
     `max_model_len=None` takes the model's own limit (capped by a sliding window).
     `kv_cache_bytes=None` means: on CPU `$PDSERVE_CPU_KV_CACHE_BYTES` or else 2 GiB (see
     `default_cpu_kv_cache_bytes`), on CUDA `gpu_memory_utilization` of the free GPU memory
@@ -35,8 +72,13 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     seed: int = 0
     enable_prefix_caching: bool = True
+    sim: SimConfig = field(default_factory=SimConfig)
 
     def __post_init__(self) -> None:
+        if isinstance(self.sim, dict):  # flags and YAML give nested settings as mappings
+            object.__setattr__(self, "sim", SimConfig(**self.sim))
+        if not isinstance(self.sim, SimConfig):
+            raise ValueError(f"sim must be a SimConfig or a mapping of its fields, got {type(self.sim).__name__}")
         _check_range("block_size", self.block_size, 1, 1024)
         _check_range("max_num_seqs", self.max_num_seqs, 1, 1 << 20)
         _check_range("max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 24)
@@ -54,6 +96,16 @@ class EngineConfig:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPE_NAMES)}; got {self.dtype!r}")
+
+    @property
+    def is_sim(self) -> bool:
+        """Whether this is the simulated engine (engine.sim)."""
+        return self.model == SIM_MODEL
+
+    @property
+    def checkpoint(self) -> str:
+        """The model whose tokenizer and config.json the engine loads (`checkpoint_of`)."""
+        return checkpoint_of(self.model, self.sim)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

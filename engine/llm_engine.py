@@ -46,7 +46,7 @@ class LLMEngine:
                             self.loaded.max_model_len),
             self.block_manager,
         )
-        self.runner = ModelRunner(self.loaded.model, num_blocks, config.block_size)
+        self.runner = self._make_runner(num_blocks)
         self._guides = GuideFactory(self.loaded.tokenizer, self.loaded.shape.vocab_size)
         self._tracked: dict[str, _Tracked] = {}
         self.kv_connector = KVConnector(
@@ -58,6 +58,17 @@ class LLMEngine:
         self.last_step_shape = StepShape()  # what the last step computed (the latency model's terms)
         self.num_prefill_tokens_computed = 0  # prompt positions computed (chunked prefill)
         self.num_decode_tokens_computed = 0  # positions of generated tokens computed
+
+    def _make_runner(self, num_blocks: int) -> ModelRunner:
+        """The model's runner, or for `model: sim` the simulated one (engine.sim), which reads
+        the tokens of the requests it runs from the scheduler's record."""
+        if not self.config.is_sim:
+            return ModelRunner(self.loaded.model, num_blocks, self.config.block_size)
+        from pdserve.engine.sim import SimRunner
+
+        requests = self.scheduler.requests
+        return SimRunner(self.loaded.model, num_blocks, self.config.block_size, self.config.sim,
+                         lambda request_id, start, end: requests[request_id].token_slice(start, end))
 
     @property
     def tokenizer(self):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +17,9 @@ from pdserve.engine.model.weights import CheckpointReader
 from pdserve.engine.model_source import check_architecture, resolve_model
 from pdserve.engine.tokenizer import load_tokenizer
 
+if TYPE_CHECKING:
+    from pdserve.engine.sim import SimModel
+
 logger = logging.getLogger(__name__)
 
 
@@ -23,7 +27,7 @@ logger = logging.getLogger(__name__)
 class LoadedModel:
     model_dir: Path
     hf_config: object
-    model: CausalLM
+    model: CausalLM | SimModel  # SimModel: the simulated engine's shapes, no weights
     tokenizer: object | None
     max_model_len: int
     eos_token_ids: frozenset[int]
@@ -34,28 +38,40 @@ class LoadedModel:
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
+    """The model `config` names with its tokenizer and limits; for the simulated engine
+    (`config.is_sim`) the tokenizer and shapes of `sim.like` and no weights (engine.sim.SimModel)."""
     from transformers import AutoConfig
 
-    model_dir = resolve_model(config.model)
+    model_dir = resolve_model(config.checkpoint)
     hf_config = AutoConfig.from_pretrained(str(model_dir))
     check_architecture(hf_config)
     device, dtype = resolve_device_dtype(config)
     max_model_len = resolve_max_model_len(config, hf_config)
-    if device.type == "cpu":
-        from pdserve.engine.model.kernels import cpu_kernels
+    if config.is_sim:
+        from pdserve.engine.sim import SimModel
 
-        cpu_kernels()  # built (once) at load, so no request waits for the compiler
-    reader = CheckpointReader(model_dir, dtype, device)
-    model = CausalLM(hf_config, reader, max_model_len)
+        model = SimModel(ModelShape.from_hf_config(hf_config), dtype, device)
+    else:
+        model = _load_weights(model_dir, hf_config, dtype, device, max_model_len)
     tokenizer = load_tokenizer(model_dir)
     return LoadedModel(model_dir, hf_config, model, tokenizer, max_model_len,
                        _eos_token_ids(model_dir, hf_config, tokenizer))
 
 
+def _load_weights(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device,
+                  max_model_len: int) -> CausalLM:
+    if device.type == "cpu":
+        from pdserve.engine.model.kernels import cpu_kernels
+
+        cpu_kernels()  # built (once) at load, so no request waits for the compiler
+    return CausalLM(hf_config, CheckpointReader(model_dir, dtype, device), max_model_len)
+
+
 def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
-    """`auto` device: CUDA when a GPU is present, else CPU. `auto` dtype: see `auto_dtype`."""
+    """`auto` device: CUDA when a GPU is present (the simulated engine: always the CPU, which
+    is all it needs), else CPU. `auto` dtype: see `auto_dtype`."""
     if config.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device("cuda" if torch.cuda.is_available() and not config.is_sim else "cpu")
     else:
         device = torch.device(config.device)
         if device.type == "cuda" and not torch.cuda.is_available():

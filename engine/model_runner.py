@@ -36,18 +36,22 @@ class StepResult:
 
 class ModelRunner:
     """`kv_hook(request_id, layer, token_start, k, v)`, when set, receives every scheduled
-    chunk's new K/V per layer as soon as that layer is computed (see CausalLM.forward)."""
+    chunk's new K/V per layer as soon as that layer is computed (see CausalLM.forward).
+    `forward` and `compute_logits` are the model's part of a step; the simulated engine
+    (engine.sim.SimRunner) replaces only them."""
 
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int) -> None:
-        s = model.shape
         self.kv_hook: KVHook | None = None
         self.model = model
         self.block_size = block_size
         self.device = model.device
-        self.kv_cache = torch.zeros(
-            (s.num_layers, 2, num_blocks, block_size, s.num_kv_heads, s.head_dim),
-            dtype=model.dtype, device=model.device,
-        )
+        self.kv_cache = self.allocate_kv_cache(num_blocks)
+
+    def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        """The paged cache `[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]`, zeroed."""
+        s = self.model.shape
+        return torch.zeros((s.num_layers, 2, num_blocks, self.block_size, s.num_kv_heads, s.head_dim),
+                           dtype=self.model.dtype, device=self.device)
 
     def execute(self, output: SchedulerOutput) -> StepResult:
         """Compute the scheduled tokens, sample where chunks ask, and score prompt tokens
@@ -55,9 +59,7 @@ class ModelRunner:
         result = StepResult()
         if output.is_empty:
             return result
-        input_ids, positions, meta = self.prepare(output.chunks)
-        hook = self._layer_hook(output.chunks) if self.kv_hook is not None else None
-        hidden = self.model.forward(input_ids, positions, meta, self.kv_cache, hook)
+        hidden = self.forward(output.chunks)
         starts = np.cumsum([0] + [len(c.token_ids) for c in output.chunks])
         for chunk, start in zip(output.chunks, starts, strict=False):
             if chunk.prompt_targets:
@@ -67,8 +69,8 @@ class ModelRunner:
         sampling = [(i, c) for i, c in enumerate(output.chunks) if c.sample]
         if not sampling:
             return result
-        rows = torch.as_tensor(starts[[i + 1 for i, _ in sampling]] - 1, device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
+        rows = torch.as_tensor(starts[[i + 1 for i, _ in sampling]] - 1, device=hidden.device)
+        logits = self.compute_logits(hidden[rows])
         chunks = [c for _, c in sampling]
         tokens, logprobs = sample_with_logprobs(logits, [c.sampling_params for c in chunks], [c.seed for c in chunks],
                                                 [c.output_index for c in chunks], [c.history for c in chunks],
@@ -83,8 +85,19 @@ class ModelRunner:
         scored = []
         for begin in range(0, len(targets), _SCORE_ROWS):
             rows = targets[begin:begin + _SCORE_ROWS]
-            scored += token_logprobs(self.model.compute_logits(hidden[begin:begin + len(rows)]), rows, [k] * len(rows))
+            scored += token_logprobs(self.compute_logits(hidden[begin:begin + len(rows)]), rows, [k] * len(rows))
         return scored
+
+    def forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """The step's forward pass: one row per scheduled token, in chunk order (the final
+        hidden states), the layer hook fed as each layer is computed."""
+        input_ids, positions, meta = self.prepare(chunks)
+        hook = self._layer_hook(chunks) if self.kv_hook is not None else None
+        return self.model.forward(input_ids, positions, meta, self.kv_cache, hook)
+
+    def compute_logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """fp32 logits `[len(rows), vocab]` of rows of `forward`'s result."""
+        return self.model.compute_logits(rows)
 
     def _layer_hook(self, chunks: list[ScheduledChunk]):
         spans, row = [], 0

@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pdserve.engine.config import DEFAULT_MODEL
+from pdserve.engine.config import DEFAULT_MODEL, SIM_MODEL
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,9 @@ def resolve_model(name: str, convert_in_subprocess: bool = False) -> Path:
     process, so this one never imports torch (the router only needs the tokenizer).
     """
     tried = []
+    if name == SIM_MODEL:
+        raise ValueError(f"{SIM_MODEL!r} is the simulated engine, not a checkpoint: load the model it is like "
+                         f"(its `sim.like`; a bare router: --model LIKE --served-model-name {SIM_MODEL})")
     if name in _DEFAULT_ALIASES:
         return _convert_gguf_cached(_embedded_gguf_path(), DEFAULT_MODEL, convert_in_subprocess)
     path = Path(name).expanduser()

@@ -49,7 +49,8 @@ def test_wheel_holds_what_the_code_needs_at_run_time(installed):
     names = set(wheel.namelist())
     for needed in ("engine/model/csrc/paged_attention.cpp", "engine/model/csrc/fused_ops.cpp",
                    "engine/model/csrc/bindings.cpp", "protos/pdserve.proto", "protos/pdserve_pb2.py",
-                   "protos/pdserve_pb2_grpc.py", "worker_base/server.py", "router/static/dashboard.html"):
+                   "protos/pdserve_pb2_grpc.py", "worker_base/server.py", "router/static/dashboard.html",
+                   "engine/sim_profile.json"):
         assert "pdserve/" + needed in names, needed
     (top_level,) = [n for n in names if n.endswith(".dist-info/top_level.txt")]
     assert wheel.read(top_level).decode().split() == ["pdserve"]  # one namespace, nothing generic
