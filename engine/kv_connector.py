@@ -48,11 +48,11 @@ class KVSchedulerSide:
     to fill and the engine never schedules them."""
 
     def __init__(self, scheduler: Scheduler, admit_running: Callable[..., RequestOutput],
-                 in_use: Callable[[str], bool]) -> None:
+                 in_use: Callable[[str], bool], reserved: set[str]) -> None:
         self._scheduler, self._blocks = scheduler, scheduler.block_manager
         self._admit_running = admit_running  # the engine's: track a request whose prompt is computed
         self._in_use = in_use  # whether the engine tracks a request id
-        self._reserved: set[str] = set()
+        self._reserved = reserved  # the open reservations' ids: the engine's, shared by every view
 
     @property
     def num_reserved(self) -> int:

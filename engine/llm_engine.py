@@ -49,10 +49,7 @@ class LLMEngine:
         self.runner = self._make_runner(num_blocks)
         self._guides = GuideFactory(self.loaded.tokenizer, self.loaded.shape.vocab_size)
         self._tracked: dict[str, _Tracked] = {}
-        self.kv_connector = KVConnector(
-            KVSchedulerSide(self.scheduler, self._add_prefilled_request, self._tracked.__contains__),
-            KVWorkerSide(self.runner),
-        )
+        self._reserved: set[str] = set()  # requests whose blocks await KV from elsewhere (kv_connector)
         self._seed_source = random.Random(config.seed)
         self.last_step_sequences = 0  # requests the last step computed tokens of
         self.last_step_shape = StepShape()  # what the last step computed (the latency model's terms)
@@ -77,6 +74,17 @@ class LLMEngine:
     @property
     def max_model_len(self) -> int:
         return self.loaded.max_model_len
+
+    @property
+    def kv_connector(self) -> KVConnector:
+        """The KV connector: a view over the engine's state, made on each access. The engine
+        holds no reference to it: a cycle through its bound methods kept a dropped engine
+        (model, KV cache) alive until interpreter shutdown, where destroying it aborted
+        `pdserve profile` about half the time (tests/unit/test_engine_api.py)."""
+        return KVConnector(
+            KVSchedulerSide(self.scheduler, self._add_prefilled_request, self._tracked.__contains__, self._reserved),
+            KVWorkerSide(self.runner),
+        )
 
     @property
     def vocab_size(self) -> int:

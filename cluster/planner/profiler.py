@@ -242,5 +242,7 @@ def measure_kv_bandwidth(engine: LLMEngine, tokens: int = 2048) -> float:
         times.append(time.perf_counter() - start)
         table.release(res.transfer_id)
     sender.close()
-    receiver.wait_closed("profile-p")
+    receiver.wait_closed("profile-p", timeout_s=120)  # a loaded machine: the pair's threads must end before exit
+    receiver.close()
+    sender_side.close()
     return tokens * layout.token_bytes * layout.num_layers / statistics.median(times)

@@ -123,7 +123,7 @@ def scheduler_side(num_blocks=16, max_num_seqs=4):
         sched.add_running(request)
         return request_id
 
-    side = KVSchedulerSide(sched, admit_running, lambda rid: rid in sched.requests)
+    side = KVSchedulerSide(sched, admit_running, lambda rid: rid in sched.requests, set())
     return side, sched
 
 
@@ -192,3 +192,25 @@ def test_read_returns_the_kv_of_the_given_blocks_and_positions():
     assert torch.equal(k, torch.stack([cache[1, 0, 3, 2], cache[1, 0, 3, 3], cache[1, 0, 1, 0], cache[1, 0, 1, 1]]))
     assert torch.equal(v, torch.stack([cache[1, 1, 3, 2], cache[1, 1, 3, 3], cache[1, 1, 1, 0], cache[1, 1, 1, 1]]))
     assert side.cache_tensor is cache
+
+
+def test_a_dropped_engine_is_freed_at_once_with_its_connector_in_use(tiny_llama_dir):
+    """No reference cycle through the connector: the engine goes when its last reference
+    does, not at interpreter shutdown (where destroying one aborted `pdserve profile`)."""
+    import gc
+    import weakref
+
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32"))
+    side = engine.kv_connector.scheduler_side
+    assert side.reserve("r", [1, 2, 3, 4, 5]) == 0 and engine.kv_connector.scheduler_side.num_reserved == 1
+    side.release("r")
+    gone = weakref.ref(engine)
+    gc.disable()
+    try:
+        del engine, side
+        assert gone() is None, "the engine outlived its last reference (a reference cycle)"
+    finally:
+        gc.enable()
