@@ -15,6 +15,10 @@ excluding the last prompt token (which is always computed, as in the engine). Me
 bounded: `held` by the worker's own block count (and `max_held`, past which the worker is
 re-read from scratch), `expected` by `max_expected` per worker (oldest dropped). A worker
 that leaves the pool is forgotten whole.
+
+Beside the per-worker sets, the index keeps their inverse, key -> workers holding it (one
+map for `held`, one for `expected`), updated by every mutation, so `matched_all` finds every
+worker's match in one walk over the prompt's keys instead of one walk per worker.
 """
 
 from __future__ import annotations
@@ -59,6 +63,10 @@ class CacheIndex:
         self.expect_ttl_s, self.max_expected, self.max_held = expect_ttl_s, max_expected, max_held
         self.clock = clock
         self._workers: dict[str, WorkerCache] = {}
+        # The inverse of every worker's `held` and `expected` (invariant: w in _held_by[k] iff
+        # k in _workers[w].held, likewise for expected; no empty sets are kept).
+        self._held_by: dict[int, set[str]] = {}
+        self._expected_by: dict[int, set[str]] = {}
 
     # ------------------------------------------------------------ membership
     def add_worker(self, worker_id: str, root: bytes, block_size: int) -> None:
@@ -67,7 +75,10 @@ class CacheIndex:
             self._workers[worker_id] = WorkerCache(root, block_size)
 
     def remove_worker(self, worker_id: str) -> None:
-        self._workers.pop(worker_id, None)
+        cache = self._workers.pop(worker_id, None)
+        if cache is not None:
+            _unlink(self._held_by, worker_id, cache.held)
+            _unlink(self._expected_by, worker_id, cache.expected)
 
     def worker_ids(self) -> list[str]:
         return list(self._workers)
@@ -86,23 +97,39 @@ class CacheIndex:
 
     # ------------------------------------------------------------ updates
     def apply(self, worker_id: str, next_cursor: int, reset: bool, stored, removed) -> None:
-        """Apply a worker's CacheEvents answer."""
+        """Apply a worker's CacheEvents answer (`stored`, `removed`: lists of keys): `held`
+        becomes `stored` on a reset, else gains `stored` then loses `removed`; every key in
+        either leaves `expected` (confirmed or contradicted)."""
         cache = self._workers.get(worker_id)
         if cache is None:
             return
         if reset:
-            cache.held = set(stored)
-        else:
-            cache.held.update(stored)
-            cache.held.difference_update(removed)
-        for key in stored:
-            cache.expected.pop(key, None)  # confirmed
-        for key in removed:
-            cache.expected.pop(key, None)
+            self._drop_held(worker_id, cache, cache.held.difference(stored))
+        self._add_held(worker_id, cache, stored)
+        if not reset:
+            self._drop_held(worker_id, cache, removed)
+        for key in (*stored, *removed):  # confirmed or contradicted
+            self._drop_expected(worker_id, cache, key)
         cache.cursor = next_cursor
         if len(cache.held) > self.max_held:  # more than any worker holds: re-read it whole
-            cache.held.clear()
+            self._drop_held(worker_id, cache, set(cache.held))
             cache.cursor = 0
+
+    def _add_held(self, worker_id: str, cache: WorkerCache, keys) -> None:
+        new = set(keys).difference(cache.held)
+        cache.held |= new
+        for key in new:
+            self._held_by.setdefault(key, set()).add(worker_id)
+
+    def _drop_held(self, worker_id: str, cache: WorkerCache, keys) -> None:
+        for key in keys:
+            if key in cache.held:
+                cache.held.discard(key)
+                _unlink(self._held_by, worker_id, (key,))
+
+    def _drop_expected(self, worker_id: str, cache: WorkerCache, key: int) -> None:
+        if cache.expected.pop(key, None) is not None:
+            _unlink(self._expected_by, worker_id, (key,))
 
     def expect(self, worker_id: str, prompt: PromptKeys) -> None:
         """`worker_id` is about to hold the full blocks of `prompt` (all tokens but the last)."""
@@ -114,8 +141,10 @@ class CacheIndex:
             if key not in cache.held:
                 cache.expected[key] = expiry
                 cache.expected.move_to_end(key)
+                self._expected_by.setdefault(key, set()).add(worker_id)
         while len(cache.expected) > self.max_expected:
-            cache.expected.popitem(last=False)
+            key, _ = cache.expected.popitem(last=False)
+            _unlink(self._expected_by, worker_id, (key,))
 
     # ------------------------------------------------------------ queries
     def matched_tokens(self, worker_id: str, prompt: PromptKeys) -> int:
@@ -132,7 +161,63 @@ class CacheIndex:
             if expiry is None:
                 break
             if expiry < now:
-                del cache.expected[key]
+                self._drop_expected(worker_id, cache, key)
                 break
             run += 1
         return run * cache.block_size
+
+    def matched_all(self, worker_ids, prompt: PromptKeys) -> dict[str, int]:
+        """`matched_tokens(w, prompt)` for every w in `worker_ids` (0 for an untracked one),
+        with the same effect on the index (an expired expectation a walk meets is dropped),
+        in one walk over the prompt's keys per (root, block size) rather than one per worker:
+        it costs about the prompt's blocks plus the workers, not their product, when a key is
+        held by every tracked worker or by few."""
+        matched = dict.fromkeys(worker_ids, 0)
+        groups: dict[tuple[bytes, int], set[str]] = {}
+        for worker_id in matched:
+            cache = self._workers.get(worker_id)
+            if cache is not None:
+                groups.setdefault((cache.root, cache.block_size), set()).add(worker_id)
+        now = self.clock()
+        for (root, block_size), active in groups.items():
+            self._walk(prompt.keys(root, block_size), block_size, active, now, matched)
+        return matched
+
+    def _walk(self, keys: list[int], block_size: int, active: set[str], now: float,
+              matched: dict[str, int]) -> None:
+        """Set matched[w] for each w in `active` (workers sharing `keys`' root and block size):
+        the leading keys found in its `held`, or in its unexpired `expected`, times
+        `block_size`. Walks `keys` in order keeping the workers still matching; stops when
+        none remain."""
+        everyone, run = len(self._workers), 0
+        for key in keys:
+            held = self._held_by.get(key, _EMPTY)
+            if len(held) != everyone:  # else every tracked worker holds it: all still match
+                staying = active & held
+                for worker_id in (active & self._expected_by.get(key, _EMPTY)) - staying:
+                    cache = self._workers[worker_id]
+                    if cache.expected[key] < now:
+                        self._drop_expected(worker_id, cache, key)
+                    else:
+                        staying.add(worker_id)
+                for worker_id in active - staying:
+                    matched[worker_id] = run * block_size
+                active = staying
+                if not active:
+                    return
+            run += 1
+        for worker_id in active:
+            matched[worker_id] = run * block_size
+
+
+_EMPTY: frozenset = frozenset()
+
+
+def _unlink(holders: dict[int, set[str]], worker_id: str, keys) -> None:
+    """Remove `worker_id` from holders[key] for each of `keys`, dropping emptied entries."""
+    for key in keys:
+        workers = holders.get(key)
+        if workers is not None:
+            workers.discard(worker_id)
+            if not workers:
+                del holders[key]

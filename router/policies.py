@@ -115,16 +115,25 @@ class CacheAware(RoutingPolicy):
         self._sessions: OrderedDict[str, str] = OrderedDict()  # session -> decode worker id
 
     def decode_cost(self, view: WorkerView, request: RouteRequest) -> float:
+        """The cost above of `request` on decode worker `view`, in prompt tokens."""
+        return self._decode_key(view, request, self._sessions.get(request.session))[0]
+
+    def _decode_key(self, view: WorkerView, request: RouteRequest, sticky: str | None) -> tuple:
+        """(cost, open requests, -free KV fraction, id): what `pick_decode` minimises, with
+        each load term computed once. `sticky`: the decode worker that served the request's
+        session last (None: no session, or none remembered)."""
+        busy, free = decode_busy(view), kv_free_fraction(view)
         cached = request.cached_on(view)
-        if request.session is not None and self._sessions.get(request.session) == view.worker_id:
+        if sticky is not None and sticky == view.worker_id:
             cached = max(cached, request.num_tokens - 1)
         queued = view.stats.queued_prefill_tokens if view.stats else 0
-        return (request.num_tokens - cached + queued + self.weights.request_tokens * decode_busy(view)
-                + self.weights.kv_tokens * (1 - kv_free_fraction(view)))
+        cost = (request.num_tokens - cached + queued + self.weights.request_tokens * busy
+                + self.weights.kv_tokens * (1 - free))
+        return cost, busy, -free, view.worker_id
 
     def pick_decode(self, workers, request):
-        best = min(workers, key=lambda v: (self.decode_cost(v, request), decode_busy(v), -kv_free_fraction(v),
-                                           v.worker_id))
+        sticky = self._sessions.get(request.session) if request.session is not None else None
+        best = min(workers, key=lambda v: self._decode_key(v, request, sticky))
         if request.session is not None:
             self._sessions[request.session] = best.worker_id
             self._sessions.move_to_end(request.session)

@@ -88,10 +88,8 @@ class Router:
     def route_request(self, prompt: PromptKeys, session: str | None) -> RouteRequest:
         """What the policy knows of a request: its length, session, and the leading prompt
         tokens each routable worker is expected to have cached."""
-        index = self.registry.cache_index
-        matched = {v.worker_id: index.matched_tokens(v.worker_id, prompt)
-                   for role in ("decode", "prefill") for v in self.registry.workers(role)}
-        return RouteRequest(len(prompt.token_ids), session, matched)
+        ids = [v.worker_id for role in ("decode", "prefill") for v in self.registry.workers(role)]
+        return RouteRequest(len(prompt.token_ids), session, self.registry.cache_index.matched_all(ids, prompt))
 
     def pick_decode(self, route: RouteRequest, exclude: set[str] = frozenset()) -> WorkerView:
         workers = [w for w in self.registry.workers("decode") if w.worker_id not in exclude]

@@ -1,8 +1,11 @@
 """The prefix-cache event log (engine) and the router's per-worker index built from it."""
 
+import copy
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pdserve.engine.block_hash import prefix_hashes, root_hash
 from pdserve.engine.block_manager import BlockManager
@@ -152,3 +155,93 @@ def test_index_equals_the_engines_cache_under_random_traffic(capacity):
     sync(index, "w", bm)
     truth = {key64(h) for h in bm._by_hash}
     assert index._workers["w"].held == truth
+
+
+# ---------------------------------------------------------------- one walk for every worker
+ROOTS = (ROOT, root_hash("other-model|float32"))
+WORKERS = ("a", "b", "c", "d", "e")
+BASE = tokens(40, 123)
+PROMPTS = [BASE[:n] + tokens(m, n * 100 + m) for n in (0, 8, 17, 40) for m in (0, 1, 9)]
+
+
+def _op():
+    """One step on the index, as a hypothesis strategy: a CacheEvents answer storing the
+    first blocks of one prompt (as the worker hashes it) and removing a run of another's, an
+    expectation, time passing, a worker leaving or joining, or a lookup."""
+    worker, prompt, blocks = st.sampled_from(WORKERS), st.sampled_from(range(len(PROMPTS))), st.integers(0, 12)
+    return st.one_of(
+        st.tuples(st.just("apply"), worker, st.booleans(), prompt, blocks, prompt, blocks, blocks),
+        st.tuples(st.just("expect"), worker, prompt),
+        st.tuples(st.just("tick"), st.floats(0, 20)),
+        st.tuples(st.just("leave"), worker),
+        st.tuples(st.just("join"), worker, st.sampled_from(ROOTS), st.sampled_from((BS, 2 * BS))),
+        st.tuples(st.just("match"), prompt),
+    )
+
+
+def _run(index: CacheIndex, clock: Clock, op: tuple) -> None:
+    kind, *args = op
+    if kind == "apply" and index.tracks(args[0]):
+        worker, reset, stored, upto, removed, start, stop = args
+        cache = index._workers[worker]
+        keys = [PromptKeys(PROMPTS[i]).keys(cache.root, cache.block_size) for i in (stored, removed)]
+        index.apply(worker, index.cursor(worker) + 1, reset, keys[0][:upto], keys[1][start:stop])
+    elif kind == "expect":
+        index.expect(args[0], PromptKeys(PROMPTS[args[1]]))
+    elif kind == "tick":
+        clock.now += args[0]
+    elif kind == "leave":
+        index.remove_worker(args[0])
+    elif kind == "join":
+        index.add_worker(*args)
+    elif kind == "match":
+        index.matched_all(WORKERS, PromptKeys(PROMPTS[args[0]]))
+
+
+def _inverse(index: CacheIndex) -> tuple[dict, dict]:
+    held, expected = {}, {}
+    for worker, cache in index._workers.items():
+        for key in cache.held:
+            held.setdefault(key, set()).add(worker)
+        for key in cache.expected:
+            expected.setdefault(key, set()).add(worker)
+    return held, expected
+
+
+@given(ops=st.lists(_op(), max_size=40),
+       probe=st.sampled_from(range(len(PROMPTS))), asked=st.permutations([*WORKERS, "nobody"]),
+       mixed=st.booleans())
+@settings(max_examples=300, deadline=None)
+def test_one_walk_matches_every_worker_as_the_per_worker_walk_does(ops, probe, asked, mixed):
+    """matched_all == {w: matched_tokens(w)} (same keys, same order, same expired entries
+    dropped) after any mix of stores, evictions, resets, expectations, expiry, joins and
+    leaves; and the key -> holders maps stay the exact inverse of the per-worker sets."""
+    clock = Clock()
+    index = CacheIndex(expect_ttl_s=10.0, max_expected=20, max_held=30, clock=clock)
+    for worker in WORKERS:  # all alike, or three alike, one of another model, one of another block size
+        index.add_worker(worker, ROOTS[mixed and worker == "d"], 2 * BS if mixed and worker == "e" else BS)
+    for op in ops:
+        _run(index, clock, op)
+        assert (index._held_by, index._expected_by) == _inverse(index)
+    prompt = PromptKeys(PROMPTS[probe])
+    reference = copy.deepcopy(index)
+    expected = {w: reference.matched_tokens(w, prompt) for w in asked}
+    got = index.matched_all(asked, prompt)
+    assert got == expected and list(got) == list(expected)
+    assert {w: (c.held, dict(c.expected)) for w, c in index._workers.items()} == \
+        {w: (c.held, dict(c.expected)) for w, c in reference._workers.items()}
+    assert (index._held_by, index._expected_by) == _inverse(index)
+
+
+def test_one_walk_where_all_but_one_or_every_worker_holds_the_prefix():
+    index = CacheIndex()
+    for worker in WORKERS:
+        index.add_worker(worker, ROOT, BS)
+    prompt = PromptKeys(PROMPTS[-1])
+    for worker in WORKERS[:-1]:
+        index.apply(worker, 1, False, prompt.keys(ROOT, BS), [])
+    index.apply(WORKERS[-1], 1, False, prompt.keys(ROOT, BS)[:3], [])
+    full = len(prompt.keys(ROOT, BS)) * BS
+    assert index.matched_all(WORKERS, prompt) == {**dict.fromkeys(WORKERS[:-1], full), WORKERS[-1]: 3 * BS}
+    index.apply(WORKERS[-1], 2, False, prompt.keys(ROOT, BS), [])
+    assert index.matched_all(WORKERS, prompt) == dict.fromkeys(WORKERS, full)

@@ -1,9 +1,19 @@
 """Routing policies' choices on constructed pool states."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pdserve.protos import pdserve_pb2 as pb
-from pdserve.router.policies import CacheAware, CacheAwareWeights, LeastLoaded, RouteRequest, make_policy
+from pdserve.router.policies import (
+    CacheAware,
+    CacheAwareWeights,
+    LeastLoaded,
+    RouteRequest,
+    decode_busy,
+    kv_free_fraction,
+    make_policy,
+)
 from pdserve.router.registry import WorkerView
 
 
@@ -93,3 +103,29 @@ def test_a_chat_turn_right_after_the_last_one_ended_stays_despite_a_stale_report
     a.closed_before_stats = a.closed  # a later report counts on its own
     a.stats.num_running = 0
     assert policy.pick_decode([a, b], route) is a
+
+
+def _old_pick(policy: CacheAware, workers, request):
+    """CacheAware.pick_decode's key as it was (each load term computed twice per worker)."""
+    def cost(v):
+        cached = request.cached_on(v)
+        if request.session is not None and policy._sessions.get(request.session) == v.worker_id:
+            cached = max(cached, request.num_tokens - 1)
+        queued = v.stats.queued_prefill_tokens if v.stats else 0
+        return (request.num_tokens - cached + queued + policy.weights.request_tokens * decode_busy(v)
+                + policy.weights.kv_tokens * (1 - kv_free_fraction(v)))
+    return min(workers, key=lambda v: (cost(v), decode_busy(v), -kv_free_fraction(v), v.worker_id))
+
+
+@given(loads=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 3000), st.integers(0, 100), st.integers(0, 1100)),
+                      min_size=1, max_size=8),
+       num_tokens=st.integers(1, 1200), session=st.sampled_from([None, "s1", "s2"]),
+       weights=st.tuples(st.integers(0, 512), st.integers(0, 1024)))
+@settings(max_examples=300, deadline=None)
+def test_cache_aware_picks_as_it_did_before_its_load_terms_were_computed_once(loads, num_tokens, session, weights):
+    workers = [view(f"d{i}", running=r, queued=q, free=f) for i, (r, q, f, _) in enumerate(loads)]
+    route = RouteRequest(num_tokens, session, {f"d{i}": m for i, (*_, m) in enumerate(loads) if m})
+    policy = CacheAware(CacheAwareWeights(*weights))
+    for _ in range(3):  # sessions stick after the first pick
+        expected = _old_pick(policy, workers, route)
+        assert policy.pick_decode(workers, route) is expected
