@@ -131,7 +131,7 @@ def plot(result: dict, path: Path) -> None:
         ax1.figure.suptitle(f"online-poisson x{result['rate_scale']} ({result['summary']['requests']} requests)")
 
 
-def start_service(model: str, port: int):
+def start_service(model: str, port: int, **settings):
     import ray
 
     from pdserve.cluster.config import load_config
@@ -140,7 +140,7 @@ def start_service(model: str, port: int):
 
     if not ray.is_initialized():
         init_private_cluster(4)
-    config = load_config(None, {"model": model, "router.port": port})
+    config = load_config(None, {"model": model, "router.port": port, **settings})
     controller = create_controller(config)
     url = ray.get(controller.start.remote())
     return controller, url
@@ -161,9 +161,11 @@ def measure_overhead(port: int, repeats: int) -> dict:
 
     from pdserve.engine.model_source import resolve_model
     from pdserve.testkit.models import build_tiny_model
+    from pdserve.testkit.workers import CLUSTER_TOKEN
 
     tiny = build_tiny_model(Path(tempfile.mkdtemp()), "llama", resolve_model("SmolLM2-135M-Instruct"))
-    controller, url = start_service(str(tiny), port)
+    # the token testkit's direct stub carries (the workers refuse calls without the deployment's)
+    controller, url = start_service(str(tiny), port, cluster_token=CLUSTER_TOKEN)
     try:
         status = ray.get(controller.status.remote())
         decode = status["pools"]["decode"]["workers"][0]["address"]
