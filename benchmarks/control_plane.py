@@ -6,16 +6,16 @@ each fitted as cost ~ a * N^k (least squares on log-log) and classed by k: const
 Three kinds of measurement, each marked in the JSON:
 
 - **in-process** (8, 32, 128, 512 workers; benchmarks/control_plane_inproc.py): the router's
-  own components over N synthetic workers whose Info/Stats/CacheEvents answers the registry's
-  own polls absorb: the cache-aware routing decision (prompt hashing, the cache-index lookup
+  own components over N synthetic workers whose updates (load, cache deltas) go through the
+  registry's own `apply`: the cache-aware routing decision (prompt hashing, the cache-index lookup
   of every routable worker, the pick and the prefill order) against N and the prompt's
   length; cache events absorbed per second and bytes per indexed block; the autoscaler's
   decision and the planner's simulator (simulated requests/s) for an N-worker plan;
 - **registry over gRPC** (the same sizes; benchmarks/control_plane_registry.py): the real
-  registry polling N synthetic workers served over loopback gRPC by one process (one channel
-  per worker), and one more worker in a process of its own that is hung then killed: the
-  registry's CPU per worker, the RPCs each worker answers, how long the hung and the killed
-  worker stay routable;
+  registry following the update streams of N synthetic workers served over loopback gRPC by
+  one process (one channel per worker), and one more worker in a process of its own that is
+  hung then killed: the registry's CPU per worker, the messages each worker sends, how long
+  the hung and the killed worker stay routable;
 - **real processes** (benchmarks/control_plane_cluster.py): simulated workers (`model: sim`)
   under the real controller and router on a Ray of this process's own, as many as this
   machine holds (~430 MiB each): scale decode 1 -> 4, 8, 16 (32 and 128 extrapolated by the
@@ -123,26 +123,27 @@ def registry_rows(registry: list[dict]) -> list[dict]:
 
     src = "registry over loopback gRPC (synthetic workers)"
     dead, hung = col("dead", "routable_for_s"), col("hung", "routable_for_s")
-    return [row("registry polling CPU of the router process, idle", "fraction of a core", sizes,
+    return [row("registry CPU of the router process taking in busy workers' updates", "fraction of a core", sizes,
                 col("router_cpu_fraction"), src, per_worker_us_per_s=col("router_cpu_us_per_worker_s")),
-            row("registry RPCs each worker answers", "per s", sizes, col("rpcs_per_worker_s"), src,
-                note="Stats + CacheEvents every 0.25 s: 8/s when the polls keep their interval"),
-            row("Stats poll interval each worker sees, idle", "s", sizes, col("stats_interval_s"), src),
+            row("registry messages each worker sends", "per s", sizes, col("messages_per_worker_s"), src,
+                note="one pushed update per 0.25 s while busy (every 0.5 s idle); was Stats + CacheEvents "
+                     "polls, 8 RPCs/s"),
+            row("update interval each worker's stream keeps, busy", "s", sizes, col("update_interval_s"), src),
             row("killed worker stays routable", "s", sizes, dead, src, "<= 2 s at every size",
                 all(v is not None and v <= DETECT_TARGET_S for v in dead)),
             row("hung worker stays routable", "s", sizes, hung, src, "<= 2 s at every size",
                 all(v is not None and v <= DETECT_TARGET_S for v in hung)),
-            row("Stats interval the other workers see while one hangs", "s", sizes,
-                col("hung", "others_stats_interval_s"), src)]
+            row("update interval the other workers keep while one hangs", "s", sizes,
+                col("hung", "others_update_interval_s"), src)]
 
 
 def index_rows(result: dict) -> list[dict]:
     absorb, memory = result["cache_index"]["absorb"], result["cache_index"]["memory"]
     sizes = [r["workers"] for r in absorb]
-    return [row("cache events absorbed (registry poll path)", "events/s", sizes,
+    return [row("cache events absorbed (registry update path)", "events/s", sizes,
                 [r["events_per_s"] for r in absorb], "in-process",
                 cpu_s_per_event=[r["cpu_s_per_event"] for r in absorb]),
-            row("one CacheEvents poll of every worker (64 events each)", "s", sizes,
+            row("one update from every worker (64 events each)", "s", sizes,
                 [r["poll_s"] for r in absorb], "in-process"),
             row("cache index memory per reported block", "bytes", [memory["workers"]],
                 [memory["bytes_per_held_block"]], "in-process (tracemalloc)",
@@ -225,17 +226,17 @@ def messages_from_code() -> dict:
     import inspect
 
     from pdserve.cluster.config import ServeConfig
-    from pdserve.router.registry import WorkerRegistry
+    from pdserve.router.registry import HEARTBEAT_S, WorkerRegistry
 
     defaults = inspect.signature(WorkerRegistry).parameters
-    stats_s, refresh_s = defaults["stats_s"].default, defaults["refresh_s"].default
+    interval_s, refresh_s = defaults["stats_s"].default, defaults["refresh_s"].default
     health_s = ServeConfig.model_fields["health_check_interval_s"].default
-    return {"router_stats_rpcs": 1 / stats_s, "router_cache_events_rpcs": 1 / stats_s,
+    return {"worker_updates_busy": 1 / interval_s, "worker_updates_idle": 1 / HEARTBEAT_S,
             "controller_health_pings": 1 / health_s,
-            "note": f"per router: Stats and CacheEvents every {stats_s} s per worker (each round waits for every "
-                    f"worker's answer or its 2 s deadline), and one membership call to the controller every "
-                    f"{refresh_s} s listing all workers; the controller pings each worker's actor every {health_s} s "
-                    f"(the actor then asks its own gRPC Stats)"}
+            "note": f"per router: each worker pushes an update (load and cache changes) at most every {interval_s} s "
+                    f"while its engine steps and a heartbeat every {HEARTBEAT_S} s when idle, on one stream; one "
+                    f"membership call to the controller every {refresh_s} s listing all workers; the controller "
+                    f"pings each worker's actor every {health_s} s (the actor then asks its own gRPC Stats)"}
 
 
 def _median(values: list) -> float | None:
@@ -279,9 +280,9 @@ def plot(result: dict, path: Path) -> None:
                 routing.plot(r["sizes"], r["values"], marker="o", label=f"{label} (k={r['k']})")
         routing.axhline(ROUTING_TARGET_US, color="red", linestyle="--", label="target at 128")
         _loglog(routing, "routing decision p99 (in-process)", "workers", "us")
-        for r in _find(rows, "registry polling CPU") + _find(rows, "router CPU while idle"):
+        for r in _find(rows, "registry CPU") + _find(rows, "router CPU while idle"):
             polling.plot(r["sizes"], r["values"], marker="o", label=f"{r['cost'][:34]} (k={r['k']})")
-        _loglog(polling, "router CPU polling its workers, idle", "workers", "fraction of a core")
+        _loglog(polling, "router CPU taking in its workers' updates", "workers", "fraction of a core")
         for r in _find(rows, "killed") + _find(rows, "hung"):
             if "stays routable" in r["cost"]:
                 detect.plot(r["sizes"], r["values"], marker="o", label=r["cost"].replace(" stays routable", ""))

@@ -1,9 +1,9 @@
 """The control plane's in-process parts, at any number of workers (benchmarks/control_plane.py):
 the router's own components (registry, cache index, cache-aware policy) over N synthetic
 workers, the autoscaler's decision and the planner's simulator. No worker process, no
-socket: synthetic workers answer the registry's Info, Stats and CacheEvents from memory,
-through the registry's own poll methods, so the router's state is built by the code that
-builds it when serving.
+socket: the synthetic workers' updates (load and cache deltas, as their `Watch` streams
+push them) go through the registry's own `apply`, so the router's state is built by the code
+that builds it when serving.
 
 Every figure here is "in-process": it is the router's (or the planner's) CPU cost alone,
 without gRPC or HTTP, on whatever share of the machine's cores the process gets.
@@ -32,7 +32,7 @@ ROOT = root_hash("control-plane-benchmark")  # every worker of one model and dty
 PREFILL_SHARE = 4  # one worker in four is a prefill worker (README's sim example: 4P + 12D)
 HELD_BLOCKS = 2000  # unrelated blocks each synthetic worker holds besides the test prompts
 STATES = ("cold", "one", "hot")  # the prompt's prefix held by no worker, by one per pool, by every worker
-CHURN = 32  # blocks stored and as many evicted per worker per CacheEvents poll (events/s test)
+CHURN = 32  # blocks stored and as many evicted per worker update (events/s test)
 
 
 def members(n: int) -> list[dict]:
@@ -52,31 +52,6 @@ def prompt_keys(ids: list[int]) -> list[int]:
     return [key64(h) for h in prefix_hashes(ids[:-1], BLOCK_SIZE, ROOT)]
 
 
-class FakeStub:
-    """What the registry asks a worker (Info, Stats, CacheEvents), answered from memory:
-    the first CacheEvents answer is the whole cache (a new reader's reset), the later ones
-    cycle through `churn`."""
-
-    def __init__(self, worker_id: str, role: str, held: list[int], stats: pb.WorkerStats,
-                 churn: list[pb.CacheEventsReply] = ()) -> None:
-        self.info = pb.WorkerInfo(worker_id=worker_id, role=role, cache_root=ROOT, prefix_caching=True,
-                                  layout=pb.KVLayout(block_size=BLOCK_SIZE))
-        self.stats, self.churn, self.calls = stats, list(churn), 0
-        self.snapshot = pb.CacheEventsReply(next_cursor=1, reset=True, stored=held)
-
-    async def Info(self, request, timeout=None):
-        return self.info
-
-    async def Stats(self, request, timeout=None):
-        return self.stats
-
-    async def CacheEvents(self, request, timeout=None):
-        self.calls += 1
-        if self.calls == 1 or not self.churn:
-            return self.snapshot
-        return self.churn[self.calls % len(self.churn)]
-
-
 def worker_stats(rng: random.Random, worker_id: str, role: str) -> pb.WorkerStats:
     """A load report as a busy worker sends it (random load, a few cached blocks)."""
     total = 5000
@@ -86,17 +61,25 @@ def worker_stats(rng: random.Random, worker_id: str, role: str) -> pb.WorkerStat
                           queued_prefill_tokens=rng.randrange(0, 4096) if role == "prefill" else 0)
 
 
-def churn_replies(rng: random.Random) -> list[pb.CacheEventsReply]:
-    """Two deltas that undo each other (CHURN blocks stored, CHURN evicted), so a worker's
-    held set keeps its size however many polls run."""
+def churn_updates(rng: random.Random) -> list[tuple[list[int], list[int]]]:
+    """Two deltas (stored, removed) that undo each other (CHURN blocks stored, CHURN evicted),
+    so a worker's held set keeps its size however many updates come."""
     a, b = random_keys(rng, CHURN), random_keys(rng, CHURN)
-    return [pb.CacheEventsReply(next_cursor=2, stored=a, removed=b),
-            pb.CacheEventsReply(next_cursor=3, stored=b, removed=a)]
+    return [(a, b), (b, a)]
 
 
-async def synthetic_router(n: int, holders: dict[str, list[int]], churn: bool = False) -> Router:
-    """A Router over `n` synthetic workers, its registry filled by its own polls: each worker
-    holds HELD_BLOCKS random blocks plus the keys `holders` lists for it (worker id -> keys)."""
+def cache_update(registry: WorkerRegistry, worker_id: str, stats: pb.WorkerStats, stored: list[int],
+                 removed: list[int] = (), reset: bool = False) -> pb.WorkerUpdate:
+    """The update a worker pushes with these cache changes, following the index's cursor."""
+    since = 0 if reset else registry.cache_index.cursor(worker_id)
+    return pb.WorkerUpdate(stats=stats, cache=pb.CacheEventsReply(
+        since=since, next_cursor=since + len(stored) + len(removed), reset=reset, stored=stored, removed=removed))
+
+
+async def synthetic_router(n: int, holders: dict[str, list[int]]) -> Router:
+    """A Router over `n` synthetic workers, its registry filled by their first updates (through
+    `apply`, as when serving): each worker holds HELD_BLOCKS random blocks plus the keys
+    `holders` lists for it (worker id -> keys)."""
     rng = random.Random(n)
     listed = members(n)
 
@@ -109,11 +92,13 @@ async def synthetic_router(n: int, holders: dict[str, list[int]], churn: bool = 
     await registry.refresh()
     for m in listed:
         view = registry._views[m["worker_id"]]
+        view.watch.cancel()  # not started yet: nothing listens at these addresses; updates come below
+        view.caches = True
+        registry.cache_index.add_worker(view.worker_id, ROOT, BLOCK_SIZE)
         held = random_keys(rng, HELD_BLOCKS) + holders.get(m["worker_id"], [])
-        view.stub = FakeStub(m["worker_id"], m["role"], held, worker_stats(rng, m["worker_id"], m["role"]),
-                             churn_replies(rng) if churn else ())
-    await registry.poll_stats()
-    await registry.poll_caches()
+        registry.apply(view, cache_update(registry, view.worker_id, worker_stats(rng, view.worker_id, view.role),
+                                          held, reset=True))
+        view.heard_at = float("inf")  # never silent: no heartbeats come in this benchmark
     return Router(config, registry)
 
 
@@ -188,26 +173,35 @@ def routing(sizes: tuple[int, ...], lengths: tuple[int, ...], budget_s: float, m
             "prefill_share": f"1 in {PREFILL_SHARE}", "block_size": BLOCK_SIZE}
 
 
-async def _absorb_at(n: int, polls: int) -> dict:
-    router = await synthetic_router(n, {}, churn=True)
+async def _absorb_at(n: int, rounds: int) -> dict:
+    router = await synthetic_router(n, {})
     registry = router.registry
+    views = list(registry._views.values())
+    churn = {v.worker_id: churn_updates(random.Random(v.worker_id)) for v in views}
+
+    def one_round(i: int) -> None:
+        for view in views:
+            stored, removed = churn[view.worker_id][i % 2]
+            registry.apply(view, cache_update(registry, view.worker_id, view.stats, stored, removed))
+
     try:
-        await registry.poll_caches()  # warm
+        one_round(0)  # warm
         start, cpu = time.perf_counter(), time.process_time()
-        for _ in range(polls):
-            await registry.poll_caches()
+        for i in range(rounds):
+            one_round(i + 1)
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     finally:
         await registry.stop()
-    events = polls * n * 2 * CHURN
-    return {"workers": n, "events": events, "events_per_s": events / wall, "poll_s": wall / polls,
+    assert registry.resyncs == 0
+    events = rounds * n * 2 * CHURN
+    return {"workers": n, "events": events, "events_per_s": events / wall, "poll_s": wall / rounds,
             "cpu_s_per_event": cpu / events}
 
 
 def index_absorb(sizes: tuple[int, ...], polls: int) -> list[dict]:
-    """Cache events the registry absorbs per second through its own CacheEvents poll
-    (registry.poll_caches: every worker's delta of CHURN stored + CHURN evicted keys applied
-    to the index), per worker count; no network."""
+    """Cache events the registry absorbs per second through `apply` (one round: every worker's
+    update carrying CHURN stored + CHURN evicted keys, each built and applied), per worker
+    count; no network."""
     return [asyncio.run(_absorb_at(n, polls)) for n in sizes]
 
 

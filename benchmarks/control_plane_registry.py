@@ -1,15 +1,16 @@
 """The router's worker registry against N workers over real gRPC, at sizes no machine could
 run as worker processes (benchmarks/control_plane.py): a "fleet" process serves the workers'
-Info, Stats and CacheEvents for N-1 synthetic workers on one port (each with a channel of
-its own from the registry, as N workers would have), and a "victim" process serves one more
-on a port of its own, which is then hung (SIGSTOP) and killed (SIGKILL).
+Info and update streams (`Watch`) for N-1 synthetic workers on one port (each with a channel
+of its own from the registry, as N workers would have), and a "victim" process serves one
+more on a port of its own, which is then hung (SIGSTOP) and killed (SIGKILL).
 
-Per size: the registry's CPU per worker per second while idle (its Stats and CacheEvents
-polls, measured as the CPU time of the process that runs nothing else), the RPCs each
-worker answers per second (counted by the fleet), the Stats poll interval each worker
-actually sees, and how long the hung and the killed worker stay routable in the
-registry's view. The registry and its polling are the product's (router/registry.py); the
-workers' answers are canned (a Stats answer the size of a busy worker's, no cache events).
+Per size: the registry's CPU per worker per second (taking in the updates, measured as the
+CPU time of the process that runs nothing else), the messages each worker sends per second
+(counted by the fleet), the update interval each worker's stream actually keeps, and how long
+the hung and the killed worker stay routable in the registry's view. The registry is the
+product's (router/registry.py); the fleet's workers behave as busy ones (an update every
+interval the registry asks, never only heartbeats), each carrying a Stats report the size of
+a busy worker's and no cache events.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pdserve.rpc.channel import add_port, new_server
 from pdserve.rpc.security import Security
 
 TOKEN = "control-plane-benchmark-token-0123456789"
-COUNTED = ("Info", "Stats", "CacheEvents")
+COUNTED = ("Info", "Watch", "updates")
 
 
 def busy_stats(worker_id: str) -> pb.WorkerStats:
@@ -61,13 +62,17 @@ class Fleet(pb_grpc.DecodeWorkerServicer, pb_grpc.PrefillWorkerServicer):
         self.counters[0] += 1
         return self.info
 
-    async def Stats(self, request, context):
+    async def Watch(self, request, context):
+        """A busy worker's stream: an update every interval asked (its cache unchanged)."""
         self.counters[1] += 1
-        return self.stats
-
-    async def CacheEvents(self, request, context):
-        self.counters[2] += 1
-        return pb.CacheEventsReply(next_cursor=max(1, request.cursor), reset=request.cursor == 0)
+        seq = 0
+        while True:
+            seq += 1
+            self.counters[2] += 1
+            cache = pb.CacheEventsReply(since=request.cursor, next_cursor=request.cursor or 1,
+                                        reset=not request.cursor) if seq == 1 else None
+            yield pb.WorkerUpdate(seq=seq, stats=self.stats, cache=cache)
+            await asyncio.sleep(request.interval_ms / 1e3)
 
 
 def serve(port, counters) -> None:
@@ -86,7 +91,7 @@ def serve(port, counters) -> None:
 
 
 def start_server(ctx) -> tuple[mp.Process, int, object]:
-    """A fleet process: (process, port, its counters of Info/Stats/CacheEvents calls)."""
+    """A fleet process: (process, port, its counters of Info and Watch calls and updates sent)."""
     port, counters = ctx.Value("i", 0), ctx.Array("q", len(COUNTED), lock=False)
     process = ctx.Process(target=serve, args=(port, counters), daemon=True)
     process.start()
@@ -109,9 +114,9 @@ async def until(condition, timeout_s: float, step_s: float = 0.002) -> float | N
     return time.monotonic() - start
 
 
-async def polling_cost(registry: WorkerRegistry, counters, fleet_pid: int, n: int, seconds: float) -> dict:
-    """The registry's CPU while idle over `seconds`, per worker per second, with the RPCs each
-    worker answered per second and the Stats interval each saw."""
+async def update_cost(registry: WorkerRegistry, counters, fleet_pid: int, n: int, seconds: float) -> dict:
+    """The registry's CPU over `seconds`, per worker per second, with the messages each worker
+    sent per second, the update interval each kept, and the fleet's CPU per worker."""
     import psutil
 
     fleet = psutil.Process(fleet_pid)
@@ -124,28 +129,28 @@ async def polling_cost(registry: WorkerRegistry, counters, fleet_pid: int, n: in
     calls = {name: (after[i] - before[i]) / wall / (n - 1) for i, name in enumerate(COUNTED)}
     served = fleet_after.user + fleet_after.system - fleet_cpu.user - fleet_cpu.system
     return {"router_cpu_fraction": cpu / wall, "router_cpu_us_per_worker_s": 1e6 * cpu / wall / n,
-            "rpcs_per_worker_s": sum(calls.values()), "rpcs_by_method_per_worker_s": calls,
-            "stats_interval_s": 1 / calls["Stats"] if calls["Stats"] else None,
+            "messages_per_worker_s": sum(calls.values()), "messages_by_kind_per_worker_s": calls,
+            "update_interval_s": 1 / calls["updates"] if calls["updates"] else None,
             "workers_cpu_us_per_worker_s": 1e6 * served / wall / (n - 1)}
 
 
 async def stays_routable(registry: WorkerRegistry, worker_id: str, pid: int, sig: int, counters,
                          n: int) -> dict:
     """Send `sig` to the worker's process; seconds until the registry stops routing to it, and
-    the Stats interval the other workers saw meanwhile."""
+    the update interval the other workers kept meanwhile."""
     view = registry._views[worker_id]
-    stats_before = counters[1]
+    updates_before = counters[2]
     os.kill(pid, sig)
     elapsed = await until(lambda: not view.routable, 60)
-    calls = counters[1] - stats_before
-    if elapsed is None or elapsed < 1.0:  # too short a span to say how often the others were asked
+    updates = counters[2] - updates_before
+    if elapsed is None or elapsed < 1.0:  # too short a span to say how often the others sent
         return {"routable_for_s": elapsed}
-    return {"routable_for_s": elapsed, "others_stats_interval_s": elapsed * (n - 1) / calls if calls else None}
+    return {"routable_for_s": elapsed, "others_update_interval_s": elapsed * (n - 1) / updates if updates else None}
 
 
 async def one_size(ctx, n: int, fleet: tuple, measure_s: float) -> dict:
-    """A registry over `n` workers (n-1 in the fleet, one victim decode worker): its idle
-    polling cost, then the victim hung, resumed, and killed."""
+    """A registry over `n` workers (n-1 in the fleet, one victim decode worker): the cost of
+    their updates, then the victim hung, resumed, and killed."""
     from benchmarks.control_plane_inproc import members
 
     fleet_process, fleet_port, counters = fleet
@@ -163,8 +168,8 @@ async def one_size(ctx, n: int, fleet: tuple, measure_s: float) -> dict:
         first = await until(lambda: all(v.stats is not None for v in views.values())
                             and len(registry.cache_index.worker_ids()) == n, 120, 0.05)
         await asyncio.sleep(1.0)
-        row = {"workers": n, "first_full_poll_s": first,
-               **await polling_cost(registry, counters, fleet_process.pid, n, measure_s)}
+        row = {"workers": n, "first_full_view_s": first,
+               **await update_cost(registry, counters, fleet_process.pid, n, measure_s)}
         row["hung"] = await stays_routable(registry, "victim", victim.pid, signal.SIGSTOP, counters, n)
         os.kill(victim.pid, signal.SIGCONT)
         row["hung"]["routable_again_s"] = await until(lambda: views["victim"].routable, 30, 0.01)
@@ -188,7 +193,7 @@ def _run(sizes: tuple[int, ...], measure_s: float, out) -> None:
 
 
 def registry_at_scale(sizes: tuple[int, ...], measure_s: float) -> list[dict]:
-    """Per size, the registry's polling cost and detection times (see the module's docstring),
+    """Per size, the registry's update cost and detection times (see the module's docstring),
     measured in a process of their own (its CPU is the registry's alone)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

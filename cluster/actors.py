@@ -109,8 +109,7 @@ class WorkerActor:
         if self._probe is not None:
             await self._probe[0].close()
         if self.server is not None:
-            await self.server.stop(grace=1)
-            await self.service.stop()
+            await self.service.stop_serving(self.server, grace_s=1)
         await asyncio.to_thread(tracing.flush)  # Ray ends the process without running atexit
 
 

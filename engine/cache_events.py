@@ -13,6 +13,7 @@ itself is only ever shared on the full 16-byte hash.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ class CacheDelta:
     reset: bool = False  # `stored` is the whole cache: forget what you knew
     stored: list[int] = field(default_factory=list)
     removed: list[int] = field(default_factory=list)
+    since: int = 0  # the cursor this delta follows (0 with a reset)
 
 
 class CacheEventLog:
@@ -58,6 +60,7 @@ class CacheEventLog:
         if cursor < oldest or cursor > self._last or self._last - cursor > max_events:
             return CacheDelta(self._last, True, sorted({key64(d) for d in snapshot()}))
         net: dict[int, bool] = {}
-        for key, stored in list(self._events)[len(self._events) - (self._last - cursor):]:
+        for key, stored in itertools.islice(self._events, len(self._events) - (self._last - cursor), None):
             net[key] = stored
-        return CacheDelta(self._last, False, [k for k, s in net.items() if s], [k for k, s in net.items() if not s])
+        return CacheDelta(self._last, False, [k for k, s in net.items() if s], [k for k, s in net.items() if not s],
+                          since=cursor)

@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from pdserve.engine.cache_events import CacheDelta  # what `cache_events` answers, part of this API
+
 if TYPE_CHECKING:
-    from pdserve.engine.cache_events import CacheDelta
     from pdserve.engine.model_runner import KVHook, ModelRunner
     from pdserve.engine.outputs import RequestOutput, TokenLogprob
     from pdserve.engine.sampling_params import SamplingParams

@@ -195,23 +195,41 @@ class TransferStats(_message.Message):
     failures: _containers.ScalarMap[str, int]
     def __init__(self, transport: _Optional[str] = ..., direction: _Optional[str] = ..., bytes: _Optional[int] = ..., seconds: _Optional[_Union[Histogram, _Mapping]] = ..., failures: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
-class CacheEventsRequest(_message.Message):
-    __slots__ = ("cursor",)
-    CURSOR_FIELD_NUMBER: _ClassVar[int]
-    cursor: int
-    def __init__(self, cursor: _Optional[int] = ...) -> None: ...
-
 class CacheEventsReply(_message.Message):
-    __slots__ = ("next_cursor", "reset", "stored", "removed")
+    __slots__ = ("next_cursor", "reset", "stored", "removed", "since")
     NEXT_CURSOR_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
     STORED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
     next_cursor: int
     reset: bool
     stored: _containers.RepeatedScalarFieldContainer[int]
     removed: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, next_cursor: _Optional[int] = ..., reset: bool = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ...) -> None: ...
+    since: int
+    def __init__(self, next_cursor: _Optional[int] = ..., reset: bool = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ..., since: _Optional[int] = ...) -> None: ...
+
+class WatchRequest(_message.Message):
+    __slots__ = ("cursor", "interval_ms", "heartbeat_ms")
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
+    cursor: int
+    interval_ms: int
+    heartbeat_ms: int
+    def __init__(self, cursor: _Optional[int] = ..., interval_ms: _Optional[int] = ..., heartbeat_ms: _Optional[int] = ...) -> None: ...
+
+class WorkerUpdate(_message.Message):
+    __slots__ = ("seq", "stats", "cache", "stalled")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    STALLED_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    stats: WorkerStats
+    cache: CacheEventsReply
+    stalled: bool
+    def __init__(self, seq: _Optional[int] = ..., stats: _Optional[_Union[WorkerStats, _Mapping]] = ..., cache: _Optional[_Union[CacheEventsReply, _Mapping]] = ..., stalled: bool = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -54,10 +54,10 @@ class DecodeWorkerStub(object):
                 request_serializer=pdserve_dot_protos_dot_pdserve__pb2.StatsRequest.SerializeToString,
                 response_deserializer=pdserve_dot_protos_dot_pdserve__pb2.WorkerStats.FromString,
                 _registered_method=True)
-        self.CacheEvents = channel.unary_unary(
-                '/pdserve.DecodeWorker/CacheEvents',
-                request_serializer=pdserve_dot_protos_dot_pdserve__pb2.CacheEventsRequest.SerializeToString,
-                response_deserializer=pdserve_dot_protos_dot_pdserve__pb2.CacheEventsReply.FromString,
+        self.Watch = channel.unary_stream(
+                '/pdserve.DecodeWorker/Watch',
+                request_serializer=pdserve_dot_protos_dot_pdserve__pb2.WatchRequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_pdserve__pb2.WorkerUpdate.FromString,
                 _registered_method=True)
 
 
@@ -88,7 +88,7 @@ class DecodeWorkerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def CacheEvents(self, request, context):
+    def Watch(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -117,10 +117,10 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     request_deserializer=pdserve_dot_protos_dot_pdserve__pb2.StatsRequest.FromString,
                     response_serializer=pdserve_dot_protos_dot_pdserve__pb2.WorkerStats.SerializeToString,
             ),
-            'CacheEvents': grpc.unary_unary_rpc_method_handler(
-                    servicer.CacheEvents,
-                    request_deserializer=pdserve_dot_protos_dot_pdserve__pb2.CacheEventsRequest.FromString,
-                    response_serializer=pdserve_dot_protos_dot_pdserve__pb2.CacheEventsReply.SerializeToString,
+            'Watch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Watch,
+                    request_deserializer=pdserve_dot_protos_dot_pdserve__pb2.WatchRequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_pdserve__pb2.WorkerUpdate.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -242,7 +242,7 @@ class DecodeWorker(object):
             _registered_method=True)
 
     @staticmethod
-    def CacheEvents(request,
+    def Watch(request,
             target,
             options=(),
             channel_credentials=None,
@@ -252,12 +252,12 @@ class DecodeWorker(object):
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
-            '/pdserve.DecodeWorker/CacheEvents',
-            pdserve_dot_protos_dot_pdserve__pb2.CacheEventsRequest.SerializeToString,
-            pdserve_dot_protos_dot_pdserve__pb2.CacheEventsReply.FromString,
+            '/pdserve.DecodeWorker/Watch',
+            pdserve_dot_protos_dot_pdserve__pb2.WatchRequest.SerializeToString,
+            pdserve_dot_protos_dot_pdserve__pb2.WorkerUpdate.FromString,
             options,
             channel_credentials,
             insecure,
@@ -298,10 +298,10 @@ class PrefillWorkerStub(object):
                 request_serializer=pdserve_dot_protos_dot_pdserve__pb2.StatsRequest.SerializeToString,
                 response_deserializer=pdserve_dot_protos_dot_pdserve__pb2.WorkerStats.FromString,
                 _registered_method=True)
-        self.CacheEvents = channel.unary_unary(
-                '/pdserve.PrefillWorker/CacheEvents',
-                request_serializer=pdserve_dot_protos_dot_pdserve__pb2.CacheEventsRequest.SerializeToString,
-                response_deserializer=pdserve_dot_protos_dot_pdserve__pb2.CacheEventsReply.FromString,
+        self.Watch = channel.unary_stream(
+                '/pdserve.PrefillWorker/Watch',
+                request_serializer=pdserve_dot_protos_dot_pdserve__pb2.WatchRequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_pdserve__pb2.WorkerUpdate.FromString,
                 _registered_method=True)
 
 
@@ -332,7 +332,7 @@ class PrefillWorkerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def CacheEvents(self, request, context):
+    def Watch(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -361,10 +361,10 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     request_deserializer=pdserve_dot_protos_dot_pdserve__pb2.StatsRequest.FromString,
                     response_serializer=pdserve_dot_protos_dot_pdserve__pb2.WorkerStats.SerializeToString,
             ),
-            'CacheEvents': grpc.unary_unary_rpc_method_handler(
-                    servicer.CacheEvents,
-                    request_deserializer=pdserve_dot_protos_dot_pdserve__pb2.CacheEventsRequest.FromString,
-                    response_serializer=pdserve_dot_protos_dot_pdserve__pb2.CacheEventsReply.SerializeToString,
+            'Watch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Watch,
+                    request_deserializer=pdserve_dot_protos_dot_pdserve__pb2.WatchRequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_pdserve__pb2.WorkerUpdate.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -486,7 +486,7 @@ class PrefillWorker(object):
             _registered_method=True)
 
     @staticmethod
-    def CacheEvents(request,
+    def Watch(request,
             target,
             options=(),
             channel_credentials=None,
@@ -496,12 +496,12 @@ class PrefillWorker(object):
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
-            '/pdserve.PrefillWorker/CacheEvents',
-            pdserve_dot_protos_dot_pdserve__pb2.CacheEventsRequest.SerializeToString,
-            pdserve_dot_protos_dot_pdserve__pb2.CacheEventsReply.FromString,
+            '/pdserve.PrefillWorker/Watch',
+            pdserve_dot_protos_dot_pdserve__pb2.WatchRequest.SerializeToString,
+            pdserve_dot_protos_dot_pdserve__pb2.WorkerUpdate.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,8 +3,8 @@
 Per worker, two sets of block keys (engine.cache_events.key64 of the chained block hashes
 that worker's engine computes, from the root it reports in Info):
 
-- `held`: what the worker reported through CacheEvents (polled with its Stats), exact as
-  of the last poll;
+- `held`: what the worker reported in its updates (router/registry.py), exact as of the
+  last one;
 - `expected`: what this router routed to it since (the prompt's full blocks when a request
   is sent, the prompt's and output's when it finishes), which the worker will report
   shortly. An expected key expires after `expect_ttl_s` unless reported, so a wrong guess
@@ -96,13 +96,19 @@ class CacheIndex:
         return (len(cache.held), len(cache.expected)) if cache else (0, 0)
 
     # ------------------------------------------------------------ updates
-    def apply(self, worker_id: str, next_cursor: int, reset: bool, stored, removed) -> None:
-        """Apply a worker's CacheEvents answer (`stored`, `removed`: lists of keys): `held`
-        becomes `stored` on a reset, else gains `stored` then loses `removed`; every key in
-        either leaves `expected` (confirmed or contradicted)."""
+    def apply(self, worker_id: str, next_cursor: int, reset: bool, stored, removed, since: int | None = None) -> bool:
+        """Apply a worker's cache delta (`stored`, `removed`: lists of keys): `held` becomes
+        `stored` on a reset, else gains `stored` then loses `removed`; every key in either
+        leaves `expected` (confirmed or contradicted). A delta that is not a reset and
+        follows another cursor than the one held (`since`, when given) is refused: events
+        were missed, the worker's cursor drops to 0 (the next read is a reset) and the
+        answer is False."""
         cache = self._workers.get(worker_id)
         if cache is None:
-            return
+            return True
+        if not reset and since is not None and since != cache.cursor:
+            cache.cursor = 0
+            return False
         if reset:
             self._drop_held(worker_id, cache, cache.held.difference(stored))
         self._add_held(worker_id, cache, stored)
@@ -114,6 +120,7 @@ class CacheIndex:
         if len(cache.held) > self.max_held:  # more than any worker holds: re-read it whole
             self._drop_held(worker_id, cache, set(cache.held))
             cache.cursor = 0
+        return True
 
     def _add_held(self, worker_id: str, cache: WorkerCache, keys) -> None:
         new = set(keys).difference(cache.held)

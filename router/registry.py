@@ -1,11 +1,19 @@
 """The router's view of the worker pools: membership (from the cluster controller, or a
-static list), per-worker gRPC stubs, load from the workers' `Stats` and their prefix caches
-from `CacheEvents` (router/cache_index.py), refreshed in the background. A worker that
-fails a call is kept out of routing for a few seconds, and so is one whose Stats (the health
-check: it also fails while the worker's engine is stalled) answers UNAVAILABLE, or nothing for
-HUNG_AFTER_POLLS polls in a row (a hung process still accepts connections), until it answers
-again; one the membership source no longer lists (dead, removed) is dropped, with its cache
-index, at the next refresh."""
+static list), per-worker gRPC stubs, and each worker's load and prefix cache
+(router/cache_index.py) from the updates it pushes (`Watch`, worker_base/watch.py): one
+stream per worker, resubscribed when it breaks.
+
+A worker leaves routing for a few seconds when its stream breaks (a dead process: the
+connection resets), when it says its engine is stalled, or when a request to it fails; and
+while it is silent (no update for SILENT_AFTER_S, a few of its heartbeats: a hung process
+keeps its connections open), until it speaks again. Each worker is judged on its own
+stream, so one hung worker delays nobody else's updates. One the membership source no longer
+lists (dead, removed) is dropped, with its cache index, at the next refresh.
+
+A cache delta applies only on top of the cursor the index holds (its `since`): one that does
+not (events missed) makes the registry resubscribe from cursor 0, which answers with the
+whole cache.
+"""
 
 from __future__ import annotations
 
@@ -24,7 +32,9 @@ from pdserve.rpc.channel import open_channel
 from pdserve.rpc.security import Security
 
 logger = logging.getLogger(__name__)
-HUNG_AFTER_POLLS = 3
+HEARTBEAT_S = 0.5  # asked of every worker: an update at least this often
+SILENT_AFTER_S = 1.5  # no update for this long (3 heartbeats): hung, out of routing until it speaks
+RESUBSCRIBE_S = (0.1, 2.0)  # backoff after a broken stream: first, most
 MembershipSource = Callable[[], Awaitable[list[dict]]]
 
 
@@ -39,13 +49,15 @@ class WorkerView:
     stats: pb.WorkerStats | None = None
     inflight: int = 0  # requests this router has open on the worker
     closed: int = 0  # requests this router has closed on the worker, ever
-    closed_before_stats: int = 0  # `closed` when the current `stats` were asked for
+    closed_before_stats: int = 0  # `closed` when the update before the current `stats` came
+    update_closed: int = 0  # `closed` when the last update came
     routed: dict[str, float] = field(default_factory=dict)  # picked, stream not yet opened: id -> when
     inflight_tokens: int = 0  # prompt tokens this router sent it (prefill) not yet prefilled
     unhealthy_until: float = 0.0
-    failed_polls: int = 0  # Stats polls in a row that got no answer
+    heard_at: float = field(default_factory=time.monotonic)  # its last update (or when it joined)
     caches: bool | None = None  # has a prefix cache (None: not asked yet)
     node: str = ""  # the address of the node it runs on, as the controller reports it
+    watch: asyncio.Task | None = None  # following its update stream
 
     @property
     def queued_prefill_tokens(self) -> int:
@@ -70,9 +82,10 @@ class WorkerView:
 
     @property
     def reported_busy(self) -> int:
-        """Requests on the worker by its last Stats report, less those this router closed
-        since it asked for that report (a chat client's next turn comes the moment the last
-        one ends: a report from before then must not make the worker look busy)."""
+        """Requests on the worker by its last report, less those this router closed since the
+        update before it came (the report was taken after that; a chat client's next turn
+        comes the moment the last one ends: a report from before then must not make the
+        worker look busy)."""
         s = self.stats
         if s is None:
             return 0
@@ -88,8 +101,13 @@ class WorkerView:
         return self.inflight + len(self.routed)
 
     @property
+    def silent(self) -> bool:
+        """No update for SILENT_AFTER_S: hung, or too loaded to answer."""
+        return time.monotonic() - self.heard_at > SILENT_AFTER_S
+
+    @property
     def routable(self) -> bool:
-        return self.state == "ready" and time.monotonic() >= self.unhealthy_until
+        return self.state == "ready" and time.monotonic() >= self.unhealthy_until and not self.silent
 
 
 @dataclass
@@ -103,28 +121,34 @@ class WorkerRegistry:
     def __init__(self, source: MembershipSource, security: Security, refresh_s: float = 0.5,
                  stats_s: float = 0.25) -> None:
         self.source, self.security = source, security
-        self.refresh_s, self.stats_s = refresh_s, stats_s
+        self.refresh_s, self.stats_s = refresh_s, stats_s  # stats_s: the update interval asked of workers
         self._views: dict[str, WorkerView] = {}
         self.cache_index = CacheIndex()
         self.model = ModelInfo()
         self._tasks: list[asyncio.Task] = []
+        self.resyncs = 0  # cache deltas that did not follow the index's cursor (events missed)
 
     async def start(self) -> None:
         await self.refresh()
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._every(self.refresh_s, self.refresh)),
-                       loop.create_task(self._every(self.stats_s, self.poll_stats)),
-                       loop.create_task(self._every(self.stats_s, self.poll_caches))]
+        self._tasks = [asyncio.get_running_loop().create_task(self._every(self.refresh_s, self.refresh))]
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        watches = [v.watch for v in self._views.values() if v.watch is not None]
+        for task in (*self._tasks, *watches):
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *watches, return_exceptions=True)
         for view in self._views.values():
             await view.channel.close()
 
     def workers(self, role: str, routable: bool = True) -> list[WorkerView]:
         return [v for v in self._views.values() if v.role == role and (v.routable or not routable)]
+
+    def candidates(self, role: str) -> list[WorkerView]:
+        """The workers to route to: the routable ones; when there is none, those out of
+        routing only for their silence (a loaded machine can delay a worker's updates:
+        better to try a slow worker than to refuse the request)."""
+        return self.workers(role) or [v for v in self._views.values() if v.role == role and v.state == "ready"
+                                      and time.monotonic() >= v.unhealthy_until]
 
     def mark_unhealthy(self, view: WorkerView, seconds: float = 3.0) -> None:
         view.unhealthy_until = time.monotonic() + seconds
@@ -144,6 +168,7 @@ class WorkerRegistry:
                 stub_class = pb_grpc.DecodeWorkerStub if m["role"] == "decode" else pb_grpc.PrefillWorkerStub
                 view = WorkerView(m["role"], m["worker_id"], m["address"], m["state"], channel, stub_class(channel))
                 self._views[m["worker_id"]] = view
+                view.watch = asyncio.get_running_loop().create_task(self._watch(view), name=f"watch-{view.worker_id}")
                 logger.info("worker joined role=%s id=%s address=%s", view.role, view.worker_id, view.address)
             view.state, view.node = m["state"], m.get("node", "")
         for worker_id in list(self._views):
@@ -151,6 +176,8 @@ class WorkerRegistry:
                 view = self._views.pop(worker_id)
                 self.cache_index.remove_worker(worker_id)
                 logger.info("worker left role=%s id=%s", view.role, worker_id)
+                if view.watch is not None:
+                    view.watch.cancel()
                 await view.channel.close()
         if not self.model.ready.is_set():
             await self._learn_model()
@@ -165,47 +192,57 @@ class WorkerRegistry:
             self.model.ready.set()
             return
 
-    async def poll_stats(self) -> None:
-        async def one(view: WorkerView) -> None:
-            closed = view.closed
+    async def _watch(self, view: WorkerView) -> None:
+        """Follow the worker's updates for as long as it is a member: resubscribe (with
+        backoff) when the stream breaks, keeping it out of routing meanwhile."""
+        backoff = RESUBSCRIBE_S[0]
+        while True:
             try:
-                view.stats = await view.stub.Stats(pb.StatsRequest(), timeout=2)
-                view.closed_before_stats = closed
-                view.failed_polls = 0
+                await self._follow(view)
+                backoff = RESUBSCRIBE_S[0]  # ended by us (a gap) or by the worker (stopping)
             except grpc.aio.AioRpcError as exc:
-                view.failed_polls += 1
-                # unreachable or stalled at once; no answer (hung: accepts, never replies) 3 times in a row
-                if exc.code() == grpc.StatusCode.UNAVAILABLE or view.failed_polls >= HUNG_AFTER_POLLS:
-                    self.mark_unhealthy(view)
+                if view.worker_id not in self._views:
+                    return
+                self.mark_unhealthy(view)
+                logger.debug("update stream of %s broke: %s", view.worker_id, exc.code())
+                await asyncio.sleep(backoff)
+                backoff = min(RESUBSCRIBE_S[1], 2 * backoff)
 
-        await asyncio.gather(*(one(v) for v in list(self._views.values())))
-
-    async def poll_caches(self) -> None:
-        """Bring the cache index up to date (apart from the Stats poll: a worker answers
-        CacheEvents between engine steps, which may be long)."""
-        async def one(view: WorkerView) -> None:
-            try:
-                await self._poll_cache(view)
-            except grpc.aio.AioRpcError:
-                pass  # unreachable or slow: the Stats poll decides about its health
-
-        await asyncio.gather(*(one(v) for v in list(self._views.values())))
-
-    async def _poll_cache(self, view: WorkerView) -> None:
-        """Bring the worker's entry in the cache index up to date (learning its hash root
-        from Info the first time)."""
+    async def _follow(self, view: WorkerView) -> None:
+        """One subscription: learn the worker's hash root (first time), then apply its
+        updates until the stream ends or a cache delta shows missed events."""
         index = self.cache_index
-        if view.caches is False:
-            return
-        if not index.tracks(view.worker_id):
-            info = await view.stub.Info(pb.InfoRequest(), timeout=2)
+        if view.caches is None:
+            info = await view.stub.Info(pb.InfoRequest(), timeout=5)
             view.caches = info.prefix_caching
-            if not view.caches or view.worker_id not in self._views:
-                return
-            index.add_worker(view.worker_id, info.cache_root, info.layout.block_size)
-        reply = await view.stub.CacheEvents(pb.CacheEventsRequest(cursor=index.cursor(view.worker_id)), timeout=2)
-        if view.worker_id in self._views:  # not removed meanwhile
-            index.apply(view.worker_id, reply.next_cursor, reply.reset, reply.stored, reply.removed)
+            if view.caches:
+                index.add_worker(view.worker_id, info.cache_root, info.layout.block_size)
+        request = pb.WatchRequest(cursor=index.cursor(view.worker_id), interval_ms=round(1e3 * self.stats_s),
+                                  heartbeat_ms=round(1e3 * HEARTBEAT_S))
+        call = view.stub.Watch(request)
+        try:
+            async for update in call:
+                if not self.apply(view, update):
+                    return
+        finally:
+            call.cancel()
+
+    def apply(self, view: WorkerView, update: pb.WorkerUpdate) -> bool:
+        """Take in one update from `view`'s worker. False when its cache delta does not follow
+        the index's cursor (events were missed): the index forgets the worker's cursor, and
+        the caller resubscribes for the whole cache."""
+        view.heard_at = time.monotonic()
+        view.stats, view.closed_before_stats, view.update_closed = update.stats, view.update_closed, view.closed
+        if update.stalled:
+            self.mark_unhealthy(view)
+        if update.HasField("cache") and view.worker_id in self._views:
+            c = update.cache
+            if not self.cache_index.apply(view.worker_id, c.next_cursor, c.reset, c.stored, c.removed, since=c.since):
+                self.resyncs += 1
+                logger.warning("cache events of %s missed (delta after %d, index at %d): resyncing", view.worker_id,
+                               c.since, self.cache_index.cursor(view.worker_id))
+                return False
+        return True
 
     async def _every(self, seconds: float, fn) -> None:
         while True:

@@ -88,14 +88,14 @@ class Router:
     def route_request(self, prompt: PromptKeys, session: str | None) -> RouteRequest:
         """What the policy knows of a request: its length, session, and the leading prompt
         tokens each routable worker is expected to have cached."""
-        ids = [v.worker_id for role in ("decode", "prefill") for v in self.registry.workers(role)]
+        ids = [v.worker_id for role in ("decode", "prefill") for v in self.registry.candidates(role)]
         return RouteRequest(len(prompt.token_ids), session, self.registry.cache_index.matched_all(ids, prompt))
 
     def pick_decode(self, route: RouteRequest, exclude: set[str] = frozenset()) -> WorkerView:
-        workers = [w for w in self.registry.workers("decode") if w.worker_id not in exclude]
+        workers = [w for w in self.registry.candidates("decode") if w.worker_id not in exclude]
         if not workers:
             raise APIError(503, "no decode worker is available; retry later", headers={"Retry-After": "1"})
         return self.policy.pick_decode(workers, route)
 
     def order_prefill(self, route: RouteRequest, decode: WorkerView) -> list[WorkerView]:
-        return self.policy.order_prefill(self.registry.workers("prefill"), route, decode)
+        return self.policy.order_prefill(self.registry.candidates("prefill"), route, decode)

@@ -72,5 +72,4 @@ async def _serve(role: str, engine, config: WorkerConfig, make_service: Callable
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     logger.info("shutting down")
-    await server.stop(grace=2)
-    await service.stop()
+    await service.stop_serving(server, grace_s=2)

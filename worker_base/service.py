@@ -19,6 +19,7 @@ from pdserve.kv_transfer.registry import KVTransports
 from pdserve.protos import pdserve_pb2 as pb
 from pdserve.worker_base.config import WorkerConfig
 from pdserve.worker_base.telemetry import TransferCounters, histogram_to_proto
+from pdserve.worker_base.watch import UpdateStream
 
 # A step running longer than this means the engine thread is wedged: Stats, which routers
 # and the controller use as the health check, answers UNAVAILABLE (a CPU prefill step of
@@ -34,6 +35,7 @@ class WorkerServiceBase:
         self.aengine = AsyncEngine(engine, stats_fn=self._stats, name=self.role)
         self.draining = False  # set by drain(): refuse new requests, finish open ones
         self.transfers = TransferCounters()  # KV transfers, for Stats (worker_base.telemetry)
+        self.watches: set[UpdateStream] = set()  # routers' open update streams
         self.kv = engine.kv_connector
         cache = self.kv.worker_side.cache_tensor
         self.layout = KVLayout.of_cache(cache)
@@ -68,11 +70,25 @@ class WorkerServiceBase:
                                 f"{self.role} worker's engine step has run for {running:.0f} s (stalled)")
         return self.aengine.stats()
 
-    async def CacheEvents(self, request, context) -> pb.CacheEventsReply:
-        async with self.aengine.lock:  # between steps: the cache is not changing
-            delta = self.kv.scheduler_side.cache_events(request.cursor)
-        return pb.CacheEventsReply(next_cursor=delta.next_cursor, reset=delta.reset, stored=delta.stored,
-                                   removed=delta.removed)
+    async def Watch(self, request, context):
+        """This worker's load and prefix-cache changes, pushed to a router (worker_base.watch)."""
+        side = self.kv.scheduler_side
+        stream = UpdateStream(self.aengine, request, side.cache_events if side.prefix_caching else None,
+                              stalled=lambda: self.aengine.step_running_s() > ENGINE_STALL_S)
+        self.watches.add(stream)
+        try:
+            async for update in stream.updates():
+                yield update
+        finally:
+            self.watches.discard(stream)
+
+    async def stop_serving(self, server, grace_s: float) -> None:
+        """Stop `server` (this service's gRPC server) and then the service: routers' update
+        streams end first, so the grace period waits only for real requests."""
+        for stream in list(self.watches):
+            stream.close()
+        await server.stop(grace=grace_s)
+        await self.stop()
 
     def _kv_endpoint(self) -> str:
         return ""

@@ -1,7 +1,7 @@
 """What a worker counts about itself for the operators, and how it goes into its Stats.
 
-Workers do not serve Prometheus themselves: they report these in the `Stats` answer the
-router already polls for load and health, and the router exports them per worker
+Workers do not serve Prometheus themselves: they report these in the `Stats` report they
+already push to the router for load and health (`Watch`), and the router exports them per worker
 (`router.metrics`). One scrape target per deployment, no port per worker to open or secure
 (worker RPCs need the cluster token), and the router's view is what routing used.
 
