@@ -186,7 +186,10 @@ def _run(sizes: tuple[int, ...], measure_s: float, out) -> None:
     ctx = mp.get_context("spawn")
     fleet = start_server(ctx)
     try:
-        out.put([asyncio.run(one_size(ctx, n, fleet, measure_s)) for n in sizes])
+        async def every_size() -> list[dict]:  # one event loop: gRPC's poller outlives a loop of its own
+            return [await one_size(ctx, n, fleet, measure_s) for n in sizes]
+
+        out.put(asyncio.run(every_size()))
     finally:
         fleet[0].kill()
         fleet[0].join()
