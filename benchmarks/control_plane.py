@@ -210,6 +210,8 @@ def relay_rows(cluster: dict, src: str) -> list[dict]:
                        requests_per_s_by_tokens=[round(r["requests_per_s_by_tokens"], 1) for r in relay],
                        router_cpu_fraction=[round(r["router_cpu_fraction"], 3) for r in relay],
                        router_tokens_per_cpu_s=[round(r["router_tokens_per_cpu_s"]) for r in relay],
+                       events_per_token=[round(r["events_per_token"], 3) if "events_per_token" in r else None
+                                         for r in relay],  # < 1: the router coalesced tokens
                        client_cpu_fraction=[round(r["client_cpu_fraction"], 3) for r in relay],
                        workers_cpu_fraction=[round(r["workers_cpu_fraction"], 3) for r in relay]))
         idle = [r for r in cluster["ttft_idle"] if r["decode_workers"] == decode]

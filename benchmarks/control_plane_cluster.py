@@ -15,6 +15,7 @@ comparison).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import re
@@ -176,12 +177,38 @@ def failure(cluster: SimCluster, sig: int) -> dict:
 class Load:
     """`concurrency` clients, each streaming completions back to back (random `prompt_len`-token
     prompts, `max_tokens` tokens each, ignore_eos) until `end`; counts what arrives between
-    `measure_from` and `end`: SSE token events, and requests that finished."""
+    `measure_from` and `end`: tokens (each event's `token_ids`: an event carries several when
+    the router coalesced them), SSE events, and requests that finished. Every request's tokens
+    are checked against its usage chunk's `completion_tokens`: a request whose counts differ
+    is counted in `miscounted` (and its tokens still as they arrived)."""
 
     def __init__(self, url: str, prompt_len: int, max_tokens: int) -> None:
         self.url, self.prompt_len, self.max_tokens = url, prompt_len, max_tokens
         self.measure_from = self.end = 0.0
-        self.tokens = self.requests = self.errors = 0
+        self.tokens = self.events = self.requests = self.errors = self.miscounted = 0
+
+    def _body(self, rng: random.Random) -> dict:
+        return {"model": "sim", "prompt": [rng.randrange(3, 49152) for _ in range(self.prompt_len)],
+                "max_tokens": self.max_tokens, "ignore_eos": True, "stream": True, "temperature": 0,
+                "return_token_ids": True, "stream_options": {"include_usage": True}}
+
+    def _read_events(self, events: list[bytes]) -> tuple[int, int | None]:
+        """The tokens in `events` (complete SSE events) and the usage's completion tokens if
+        one of them is the usage chunk; counts the tokens and events now in the window."""
+        tokens, token_events, completion_tokens = 0, 0, None
+        for event in events:
+            if not event.startswith(b"data: {"):  # [DONE]
+                continue
+            chunk = json.loads(event[6:])
+            if chunk["choices"]:
+                tokens += len(chunk["choices"][0].get("token_ids") or ())
+                token_events += 1
+            elif chunk.get("usage"):
+                completion_tokens = chunk["usage"]["completion_tokens"]
+        if self.measure_from <= time.monotonic() < self.end:
+            self.tokens += tokens
+            self.events += token_events
+        return tokens, completion_tokens
 
     async def client(self, session, seed: int) -> None:
         """One client's loop, its start staggered over the first 2 s (the clients' requests
@@ -189,21 +216,22 @@ class Load:
         rng = random.Random(seed)
         await asyncio.sleep(rng.uniform(0, 2))
         while time.monotonic() < self.end:
-            body = {"model": "sim", "prompt": [rng.randrange(3, 49152) for _ in range(self.prompt_len)],
-                    "max_tokens": self.max_tokens, "ignore_eos": True, "stream": True, "temperature": 0}
             try:
-                async with session.post(self.url + "/v1/completions", json=body) as response:
+                async with session.post(self.url + "/v1/completions", json=self._body(rng)) as response:
                     if response.status != 200:
                         self.errors += 1
                         await response.read()
                         await asyncio.sleep(0.05)
                         continue
+                    pending, tokens, usage = b"", 0, None
                     async for data in response.content.iter_any():
-                        if time.monotonic() >= self.measure_from:
-                            self.tokens += data.count(b"data: ") - data.count(b"data: [DONE]")
+                        *events, pending = (pending + data).split(b"\n\n")
+                        got, completion_tokens = self._read_events(events)
+                        tokens, usage = tokens + got, completion_tokens if completion_tokens is not None else usage
             except Exception:  # noqa: BLE001 - counted; the load goes on
                 self.errors += 1
                 continue
+            self.miscounted += tokens != usage
             if self.measure_from <= time.monotonic() < self.end:
                 self.requests += 1
 
@@ -285,6 +313,7 @@ async def relay(cluster: SimCluster, concurrency: int, seconds: float, warm_s: f
     return {"concurrency": concurrency, "decode_workers": len(addresses), "seconds": seconds,
             "tokens_per_s": load.tokens / seconds, "requests_per_s": load.requests / seconds,
             "requests_per_s_by_tokens": load.tokens / seconds / load.max_tokens, "errors": load.errors,
+            "miscounted_requests": load.miscounted, "events_per_token": load.events / max(1, load.tokens),
             "router_cpu_fraction": used["router"], "router_tokens_per_cpu_s": load.tokens / seconds / used["router"],
             "client_cpu_fraction": used["client"], "workers_cpu_fraction": used["workers"], **probed}
 

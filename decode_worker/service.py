@@ -151,17 +151,17 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
             if first is not None:
                 finished = first.finished
                 tracing.add_event("first_token", prefilled_by=prefilled_by)
-                yield self._chunk(first, prefilled_by)
+                yield self._chunk([first], prefilled_by)
             first_chunk = first is None
             phase = tracing.start_span("pdserve.prefill" if first_chunk else "pdserve.decode", request_id=request_id)
             while not finished:
-                output = await outputs.get()
-                finished = output.finished
+                waiting = _waiting(await outputs.get(), outputs)
+                finished = waiting[-1].finished
                 if first_chunk:
                     tracing.end(phase)
                     tracing.add_event("first_token", prefilled_by="local")
                     phase = tracing.start_span("pdserve.decode", request_id=request_id)
-                yield self._chunk(output, prefilled_by if first_chunk else "")
+                yield self._chunk(waiting, prefilled_by if first_chunk else "")
                 first_chunk = False
         finally:
             tracing.end(phase, sys.exc_info()[1])
@@ -311,10 +311,32 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
             listener(output)
 
     @staticmethod
-    def _chunk(output: RequestOutput, prefilled_by: str) -> pb.GenerateChunk:
-        return pb.GenerateChunk(token_ids=output.new_token_ids, finish_reason=output.finish_reason or "",
-                                num_prompt_tokens=len(output.prompt_token_ids), prefilled_by=prefilled_by,
-                                num_cached_tokens=output.num_cached_tokens if prefilled_by else 0,
-                                logprobs=[logprob_to_proto(lp) for lp in output.new_logprobs],
-                                prompt_logprobs=[logprob_to_proto(lp) for lp in output.prompt_logprobs[1:]]
-                                if prefilled_by and output.prompt_logprobs is not None else [])
+    def _chunk(outputs: list[RequestOutput], prefilled_by: str) -> pb.GenerateChunk:
+        """One chunk of the request's `outputs` (consecutive steps' deltas, in order): their
+        tokens (and logprobs) in one message, the last one's finish reason; the first chunk
+        (`prefilled_by` set) also carries the first output's cache figure and prompt logprobs."""
+        first, last = outputs[0], outputs[-1]
+        if len(outputs) == 1:
+            token_ids, logprobs = first.new_token_ids, first.new_logprobs
+        else:
+            token_ids = [t for output in outputs for t in output.new_token_ids]
+            logprobs = [lp for output in outputs for lp in output.new_logprobs]
+        chunk = pb.GenerateChunk(token_ids=token_ids, finish_reason=last.finish_reason or "",
+                                 num_prompt_tokens=len(first.prompt_token_ids))
+        if logprobs:
+            chunk.logprobs.extend(logprob_to_proto(lp) for lp in logprobs)
+        if prefilled_by:
+            chunk.prefilled_by, chunk.num_cached_tokens = prefilled_by, first.num_cached_tokens
+            if first.prompt_logprobs is not None:
+                chunk.prompt_logprobs.extend(logprob_to_proto(lp) for lp in first.prompt_logprobs[1:])
+        return chunk
+
+
+def _waiting(output: RequestOutput, queue: asyncio.Queue) -> list[RequestOutput]:
+    """`output` and the request's outputs queued behind it: more than one when its stream to
+    the router fell behind the engine's steps (the router is slow to read, or this worker's
+    event loop is), and then sent together in one chunk."""
+    waiting = [output]
+    while not queue.empty():
+        waiting.append(queue.get_nowait())
+    return waiting

@@ -61,6 +61,18 @@ class Delta:
     # the first delta only, when the request asked for prompt logprobs: prompt tokens 1..n-1's
     prompt_logprobs: list[TokenLogprob] | None = None
 
+    @staticmethod
+    def joined(deltas: list[Delta]) -> Delta:
+        """Consecutive deltas of one choice as one, carrying exactly what they carry in turn:
+        their text and token ids (and logprobs) concatenated, the first one's prompt logprobs,
+        the last one's finish reason (no earlier one has one)."""
+        if len(deltas) == 1:
+            return deltas[0]
+        first = deltas[0]
+        logprobs = None if first.logprobs is None else [lp for d in deltas for lp in d.logprobs or ()]
+        return Delta("".join(d.text for d in deltas), [t for d in deltas for t in d.token_ids],
+                     deltas[-1].finish_reason, logprobs, first.prompt_logprobs)
+
 
 @dataclass
 class Result:
@@ -260,23 +272,36 @@ class Generation:
         """Add a chunk's tokens to the request's: the delta to send (None: nothing yet), with
         a finish reason when the worker finished the request or a stop string matched (then
         the whole conversation so far is expected in the decode worker's cache)."""
-        detok = self._detok
-        text = "".join(detok.add_token(t) for t in chunk.token_ids if not detok.stopped)
-        self.result.num_completion_tokens += len(chunk.token_ids)
-        self.output_ids.extend(chunk.token_ids)
+        token_ids, text = self._detokenize(chunk.token_ids)
+        self.result.num_completion_tokens += len(token_ids)
+        self.output_ids.extend(token_ids)
         leg.worker_done = bool(chunk.finish_reason)
-        finish = "stop" if detok.stopped else (chunk.finish_reason or None)
+        finish = "stop" if self._detok.stopped else (chunk.finish_reason or None)
         if finish:
-            text += detok.flush()
+            text += self._detok.flush()
             self.result.finish_reason = finish
             # the conversation so far stays cached on the decode worker (all but the
             # last token, whose KV was never computed): its next turn will look for it
             self.router.registry.cache_index.expect(leg.decode.worker_id,
                                                     PromptKeys(self.prompt_ids + self.output_ids))
-        elif not (text or chunk.token_ids):
+        elif not (text or token_ids):
             return None
         prompt_logprobs, leg.prompt_logprobs = leg.prompt_logprobs, None
-        return Delta(text, list(chunk.token_ids), finish, self._logprobs(chunk, leg.decode), prompt_logprobs)
+        return Delta(text, token_ids, finish, self._logprobs(chunk, token_ids, leg.decode), prompt_logprobs)
+
+    def _detokenize(self, chunk_ids) -> tuple[list[int], str]:
+        """A chunk's tokens (a decode worker sends several in one when its stream fell behind)
+        up to the one that completes a stop string, if one does (the rest are not the
+        client's: neither sent, nor counted), and the text they add."""
+        detok = self._detok
+        if len(chunk_ids) == 1:  # the usual chunk
+            return list(chunk_ids), detok.add_token(chunk_ids[0])
+        parts = []
+        for taken, token_id in enumerate(chunk_ids, 1):
+            parts.append(detok.add_token(token_id))
+            if detok.stopped:
+                return list(chunk_ids[:taken]), "".join(parts)
+        return list(chunk_ids), "".join(parts)
 
     def _rpc_failure(self, decode: WorkerView, exc: grpc.aio.AioRpcError) -> Exception:
         """What a leg's failed call raises: the client's 400 for a request the worker found
@@ -307,8 +332,10 @@ class Generation:
             leg.call.cancel()
         tracing.end(leg.span, error)
 
-    def _logprobs(self, chunk: pb.GenerateChunk, decode: WorkerView) -> list[TokenLogprob] | None:
-        """The chunk's per-token logprobs, checked, when the request asked for them."""
+    def _logprobs(self, chunk: pb.GenerateChunk, token_ids: list[int],
+                  decode: WorkerView) -> list[TokenLogprob] | None:
+        """The per-token logprobs of the chunk's first `token_ids` (the ones taken), checked,
+        when the request asked for them."""
         want = self.params.logprobs
         if want is None:
             return None
@@ -317,7 +344,8 @@ class Generation:
                                   f"{len(chunk.token_ids)} tokens", 502)
         vocab = self.router.registry.model.vocab_size or None
         try:
-            return [logprob_from_proto(t, m, vocab, want) for t, m in zip(chunk.token_ids, chunk.logprobs, strict=True)]
+            return [logprob_from_proto(t, m, vocab, want)
+                    for t, m in zip(token_ids, chunk.logprobs[:len(token_ids)], strict=True)]
         except ValueError as exc:
             raise GenerationError(f"decode worker {decode.worker_id} sent bad logprobs: {exc}", 502) from None
 

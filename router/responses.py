@@ -82,6 +82,71 @@ async def merged_deltas(generations: list[Generation]) -> AsyncIterator[tuple[in
             task.cancel()
 
 
+class _ReadAhead:
+    """An async iterator's items, read by a task of their own as they come and kept until
+    taken; then its end (`done`), with the error it raised, if any."""
+
+    def __init__(self, source: AsyncIterator) -> None:
+        self.waiting: list = []
+        self.done = False
+        self.error: BaseException | None = None
+        self._wakeup: asyncio.Future | None = None
+        self.task = asyncio.ensure_future(self._read(source))
+
+    async def _read(self, source: AsyncIterator) -> None:
+        try:
+            async for item in source:
+                self.waiting.append(item)
+                self._wake()
+        except (Exception, asyncio.CancelledError) as exc:  # raised to the consumer, after the items before it
+            self.error = exc
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+        finally:
+            self.done = True
+            self._wake()
+
+    def _wake(self) -> None:
+        if self._wakeup is not None and not self._wakeup.done():
+            self._wakeup.set_result(None)
+
+    async def wait(self) -> None:
+        """Until an item or the end comes (return at once if one is there)."""
+        if not (self.waiting or self.done):
+            self._wakeup = asyncio.get_running_loop().create_future()
+            await self._wakeup
+
+
+async def read_ahead(source: AsyncIterator) -> AsyncIterator[list]:
+    """`source`'s items in lists, each holding what came while the consumer was busy with the
+    last: one item while it keeps up, several once it falls behind (a client slow to read its
+    stream). `source`'s error is raised after the items before it; leaving early cancels it."""
+    reader = _ReadAhead(source)
+    try:
+        while True:
+            await reader.wait()
+            if reader.waiting:
+                batch, reader.waiting = reader.waiting, []
+                yield batch
+            elif reader.error is not None:
+                raise reader.error
+            else:
+                return
+    finally:
+        reader.task.cancel()
+
+
+def by_choice(batch: list[tuple[int, Delta]]) -> list[tuple[int, Delta]]:
+    """(choice index, delta) pairs that came together, one per choice (in the order the choices
+    came), each choice's deltas joined into one (`Delta.joined`)."""
+    if len(batch) == 1:
+        return batch
+    grouped: dict[int, list[Delta]] = {}
+    for index, delta in batch:
+        grouped.setdefault(index, []).append(delta)
+    return [(index, Delta.joined(deltas)) for index, deltas in grouped.items()]
+
+
 def usage(generations: list[Generation]) -> dict:
     """The prompt once, every choice's completion tokens, the first choice's cached tokens."""
     first = generations[0]
@@ -249,9 +314,10 @@ async def sse(router: Router, rid: str, generations: list[Generation], model: st
               options: protocol.StreamOptions, return_token_ids: bool, echo: str | None = None):
     """The SSE stream of a request: chunks (each naming its choice's index), then (with
     `include_usage`) a usage chunk, then `[DONE]`; with `continuous_usage_stats` too, every
-    chunk carries the usage so far. `echo`: the prompt's text, which each choice's first
-    chunk starts with (with its logprobs, when asked). A failed choice ends the stream with
-    an error event, then `[DONE]`."""
+    chunk carries the usage so far. A client that keeps up gets a chunk per delta; one that
+    falls behind gets each choice's deltas that came meanwhile in one chunk (`read_ahead`).
+    `echo`: the prompt's text, which each choice's first chunk starts with (with its
+    logprobs, when asked). A failed choice ends the stream with an error event, then `[DONE]`."""
     chunks = _StreamChunks(router, rid, generations, model, chat, options, return_token_ids, echo)
     begin(router)  # counted from the first iteration: a stream never started holds nothing
     try:
@@ -259,8 +325,9 @@ async def sse(router: Router, rid: str, generations: list[Generation], model: st
             for index in range(len(generations)):
                 yield chunks.event(chunks.role(index))
         try:
-            async for index, delta in merged_deltas(generations):
-                yield chunks.event(chunks.chunk(index, delta))
+            # what came while the client was still reading the last event goes out as one
+            async for batch in read_ahead(merged_deltas(generations)):
+                yield b"".join(chunks.event(chunks.chunk(index, delta)) for index, delta in by_choice(batch))
         except (GenerationError, APIError) as exc:
             _mark_unfinished(generations, "error")
             yield chunks.event({"error": {"message": str(exc), "type": "server_error",
