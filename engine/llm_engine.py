@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from functools import cached_property
 
 from pdserve.engine.block_hash import root_hash
 from pdserve.engine.block_manager import BlockManager
@@ -47,7 +48,6 @@ class LLMEngine:
             self.block_manager,
         )
         self.runner = self._make_runner(num_blocks)
-        self._guides = GuideFactory(self.loaded.tokenizer, self.loaded.shape.vocab_size)
         self._tracked: dict[str, _Tracked] = {}
         self._reserved: set[str] = set()  # requests whose blocks await KV from elsewhere (kv_connector)
         self._seed_source = random.Random(config.seed)
@@ -70,6 +70,12 @@ class LLMEngine:
     @property
     def tokenizer(self):
         return self.loaded.tokenizer
+
+    @cached_property
+    def _guides(self) -> GuideFactory:
+        """Made at the first structured-output request: a simulated engine's tokenizer is
+        loaded at its first use (engine.loader.LoadedModel)."""
+        return GuideFactory(self.loaded.tokenizer, self.loaded.shape.vocab_size)
 
     @property
     def max_model_len(self) -> int:

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+import json
 import logging
-from dataclasses import dataclass
+import os
+import threading
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,7 +21,7 @@ from pdserve.engine.cpu import native_bf16_flags
 from pdserve.engine.dtypes import TORCH_DTYPES, dtype_name
 from pdserve.engine.model.llama import CausalLM, ModelShape
 from pdserve.engine.model.weights import CheckpointReader
-from pdserve.engine.model_source import check_architecture, resolve_model
+from pdserve.engine.model_source import cache_dir, check_architecture, resolve_model
 from pdserve.engine.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
@@ -28,22 +35,39 @@ class LoadedModel:
     model_dir: Path
     hf_config: object
     model: CausalLM | SimModel  # SimModel: the simulated engine's shapes, no weights
-    tokenizer: object | None
+    _tokenizer: object | None
     max_model_len: int
     eos_token_ids: frozenset[int]
+    # where set, `tokenizer` is loaded from it at its first use (a simulated engine's whose
+    # facts are recorded, see sim_facts: in a worker only structured output reads it)
+    _tokenizer_source: Callable[[], object] | None = field(default=None, repr=False, compare=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
     def shape(self) -> ModelShape:
         return self.model.shape
 
+    @property
+    def tokenizer(self) -> object | None:
+        if self._tokenizer_source is not None:
+            with self._lock:
+                if self._tokenizer_source is not None:
+                    self._tokenizer, self._tokenizer_source = self._tokenizer_source(), None
+        return self._tokenizer
+
 
 def load_model(config: EngineConfig) -> LoadedModel:
     """The model `config` names with its tokenizer and limits; for the simulated engine
-    (`config.is_sim`) the tokenizer and shapes of `sim.like` and no weights (engine.sim.SimModel)."""
-    from transformers import AutoConfig
-
+    (`config.is_sim`) the tokenizer and shapes of `sim.like` and no weights (engine.sim.SimModel),
+    what it reads of the checkpoint's config and tokenizer taken from `sim_facts`."""
     model_dir = resolve_model(config.checkpoint)
-    hf_config = AutoConfig.from_pretrained(str(model_dir))
+    facts = sim_facts(model_dir) if config.is_sim else None
+    if facts is not None:
+        hf_config = facts.config
+    else:
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(str(model_dir))
     check_architecture(hf_config)
     device, dtype = resolve_device_dtype(config)
     max_model_len = resolve_max_model_len(config, hf_config)
@@ -53,9 +77,110 @@ def load_model(config: EngineConfig) -> LoadedModel:
         model = SimModel(ModelShape.from_hf_config(hf_config), dtype, device)
     else:
         model = _load_weights(model_dir, hf_config, dtype, device, max_model_len)
+    if facts is None:
+        tokenizer = load_tokenizer(model_dir)
+        return LoadedModel(model_dir, hf_config, model, tokenizer, max_model_len,
+                           _eos_token_ids(model_dir, hf_config, tokenizer))
+    if facts.tokenizer is not _NOT_READ or not facts.has_tokenizer:
+        # read just now, or the checkpoint has none (loaded here all the same: its warning)
+        tokenizer = facts.tokenizer if facts.tokenizer is not _NOT_READ else load_tokenizer(model_dir)
+        return LoadedModel(model_dir, hf_config, model, tokenizer, max_model_len,
+                           _eos_token_ids(model_dir, hf_config, tokenizer, facts.generation_eos))
+    eos = _eos_token_ids(model_dir, hf_config, None, facts.generation_eos, facts.tokenizer_eos)
+    return LoadedModel(model_dir, hf_config, model, None, max_model_len, eos,
+                       _tokenizer_source=lambda: load_tokenizer(model_dir))
+
+
+# What the simulated engine reads of a transformers config (ModelShape.from_hf_config,
+# check_architecture, resolve_max_model_len, _eos_token_ids); an attribute the config lacks
+# stays absent, so getattr's defaults apply as they would to the config itself.
+_SIM_CONFIG_ATTRS = ("architectures", "model_type", "num_hidden_layers", "hidden_size", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "rms_norm_eps",
+                     "sliding_window", "use_sliding_window", "eos_token_id")
+_SIM_FACTS_VERSION = 1  # bump when what is recorded changes
+_NOT_READ = object()
+_NO_GENERATION_CONFIG = "absent"  # recorded: GenerationConfig.from_pretrained raised OSError
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
+_HASHED_UP_TO = 64 << 20  # a larger file is keyed by its size and mtime, not its bytes
+
+
+@dataclass
+class SimFacts:
+    """What the simulated engine reads of its checkpoint (but the tokenizer's use)."""
+
+    config: types.SimpleNamespace  # the _SIM_CONFIG_ATTRS that AutoConfig's config has
+    generation_eos: object  # GenerationConfig's eos_token_id; _NO_GENERATION_CONFIG: none
+    has_tokenizer: bool  # load_tokenizer returned one
+    tokenizer_eos: object  # its eos_token_id
+    tokenizer: object = _NOT_READ  # the tokenizer, where reading the facts loaded it
+
+
+def sim_facts(model_dir: Path) -> SimFacts:
+    """What transformers makes of the checkpoint's files, as far as the simulated engine reads
+    it: the _SIM_CONFIG_ATTRS of `AutoConfig.from_pretrained`, GenerationConfig's eos_token_id,
+    and whether `load_tokenizer` gives a tokenizer and its eos_token_id. Recorded once per
+    machine under the cache dir, keyed by the checkpoint's files but weights (their bytes) and
+    transformers' and tokenizers' versions. With a record, a simulated worker starts without
+    importing transformers (AutoConfig's LlamaConfig imports torch.distributed and sympy:
+    ~0.8 s of CPU and ~70 MiB a process; transformers and the tokenizer ~0.5 s and ~70 MiB)
+    and loads its tokenizer at its first use (a worker's: structured output only)."""
+    path = _sim_facts_path(model_dir)
+    if path is not None:
+        try:
+            recorded = json.loads(path.read_text())
+            return SimFacts(types.SimpleNamespace(**recorded["config"]), recorded["generation_eos"],
+                            bool(recorded["has_tokenizer"]), recorded["tokenizer_eos"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    from transformers import AutoConfig, GenerationConfig
+
+    hf_config = AutoConfig.from_pretrained(str(model_dir))
+    attrs = {name: getattr(hf_config, name) for name in _SIM_CONFIG_ATTRS if hasattr(hf_config, name)}
+    try:
+        generation_eos = GenerationConfig.from_pretrained(str(model_dir)).eos_token_id
+    except OSError:
+        generation_eos = _NO_GENERATION_CONFIG
     tokenizer = load_tokenizer(model_dir)
-    return LoadedModel(model_dir, hf_config, model, tokenizer, max_model_len,
-                       _eos_token_ids(model_dir, hf_config, tokenizer))
+    tokenizer_eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    record = {"config": attrs, "generation_eos": generation_eos, "has_tokenizer": tokenizer is not None,
+              "tokenizer_eos": tokenizer_eos}
+    facts = SimFacts(types.SimpleNamespace(**attrs), generation_eos, tokenizer is not None, tokenizer_eos, tokenizer)
+    try:
+        encoded = json.dumps(record)
+        if json.loads(encoded) != record:
+            raise ValueError("a value JSON does not carry as it is")
+    except (TypeError, ValueError):
+        return facts  # not recorded: read by transformers every time
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(encoded)
+            os.replace(tmp, path)
+        except OSError as exc:
+            logger.debug("cannot record the sim facts in %s: %s", path, exc)
+    return facts
+
+
+def _sim_facts_path(model_dir: Path) -> Path | None:
+    """Where `sim_facts` records a checkpoint's: named by a hash of its files but weights and
+    of transformers' and tokenizers' versions; None where they cannot be read."""
+    digest = hashlib.sha256(f"v{_SIM_FACTS_VERSION}".encode())
+    try:
+        for package in ("transformers", "tokenizers"):
+            digest.update(f"\0{package}={importlib.metadata.version(package)}".encode())
+        files = sorted(p for p in Path(model_dir).iterdir()
+                       if p.is_file() and not p.name.startswith(".") and not p.name.endswith(_WEIGHT_SUFFIXES))
+        if not any(p.name == "config.json" for p in files):
+            return None
+        for p in files:
+            size = p.stat().st_size
+            content = (hashlib.sha256(p.read_bytes()).hexdigest() if size <= _HASHED_UP_TO
+                       else f"{size}:{p.stat().st_mtime_ns}")
+            digest.update(f"\0{p.name}\0{content}".encode())
+    except (OSError, importlib.metadata.PackageNotFoundError):
+        return None
+    return cache_dir() / "sim-facts" / f"{digest.hexdigest()[:32]}.json"
 
 
 def _load_weights(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device,
@@ -137,17 +262,26 @@ def num_kv_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
     return num_blocks
 
 
-def _eos_token_ids(model_dir: Path, hf_config, tokenizer) -> frozenset[int]:
+def _eos_token_ids(model_dir: Path, hf_config, tokenizer, generation_eos: object = _NOT_READ,
+                   tokenizer_eos: object = _NOT_READ) -> frozenset[int]:
+    """`generation_eos`, `tokenizer_eos`: the eos_token_id of the checkpoint's GenerationConfig
+    (_NO_GENERATION_CONFIG where it has none) and of its tokenizer, where the caller read
+    them already (sim_facts)."""
     ids: set[int] = set()
     candidates = [getattr(hf_config, "eos_token_id", None)]
-    if tokenizer is not None:
+    if tokenizer_eos is not _NOT_READ:
+        candidates.append(tokenizer_eos)
+    elif tokenizer is not None:
         candidates.append(getattr(tokenizer, "eos_token_id", None))
-    try:
-        from transformers import GenerationConfig
+    if generation_eos is _NOT_READ:
+        try:
+            from transformers import GenerationConfig
 
-        candidates.append(GenerationConfig.from_pretrained(str(model_dir)).eos_token_id)
-    except OSError:
-        pass
+            candidates.append(GenerationConfig.from_pretrained(str(model_dir)).eos_token_id)
+        except OSError:
+            pass
+    elif generation_eos != _NO_GENERATION_CONFIG:
+        candidates.append(generation_eos)
     for value in candidates:
         if isinstance(value, int):
             ids.add(value)

@@ -30,7 +30,11 @@ Simulated (`SimRunner`, a ModelRunner whose `forward` and `compute_logits` are r
   few bytes a token. The number of blocks is always the real model's for the KV budget.
 
 Weights are never loaded (engine.loader builds a SimModel from `sim.like`'s config.json):
-a simulated worker is the process, the tokenizer and the bookkeeping.
+a simulated worker is the process, the tokenizer and the bookkeeping. What transformers makes
+of the checkpoint's config and tokenizer is recorded once per machine (engine.loader.sim_facts),
+so a worker starts without importing transformers and loads its tokenizer at its first use
+(structured output); a Ray-hosted one starts in one of its machine's start slots, as many as
+its cores (cluster.actors), as concurrent imports took more CPU in all than a few at a time.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@
 - a decode instance runs continuous batching: each step admits arrived requests (up to
   `max_num_seqs` and its KV capacity), then every running request makes one token;
 - routing: the prefill instance with the fewest queued tokens, the decode instance with
-  the fewest requests (the least-loaded policy);
+  the fewest requests (the least-loaded policy; the first such instance where several tie),
+  found in O(log instances) (_LeastLoaded);
 - colocated: one engine per instance doing both, running requests first (decode tokens,
   then prefill chunks under the same budget), as engine.scheduler does; a step takes the
   model of its kind (Profile.step_s: the mixed-step model only where prompt chunks and
@@ -77,12 +78,43 @@ class _Job:
 
 
 class _Instance:
-    def __init__(self) -> None:
+    def __init__(self, position: int = 0) -> None:
+        self.position = position  # in its pool's list: the tie-break of the least-loaded choice
         self.queue: list[_Job] = []  # prefill: waiting prompts; decode: arrived, not admitted
         self.running: list[_Job] = []
         self.busy = False
-        self.load_tokens = 0
+        self.load_tokens = 0  # prefill: prompt tokens queued (its least-loaded key)
+        self.jobs = 0  # decode: len(queue) + len(running) (its least-loaded key)
         self.rate = 0.0  # prefill: prompt tokens a second of the step it computes
+
+
+class _LeastLoaded:
+    """A pool's least-loaded instance: what min(instances, key=load) returns (the first of
+    the least loaded, in the list's order) in O(log n) instead of a scan. A heap of
+    (load, position) entries, one pushed whenever an instance's load changes (`changed`);
+    an entry whose load is no longer its instance's is stale and dropped when it reaches
+    the top, so the top is the least (load, position) of the current loads."""
+
+    def __init__(self, instances: list[_Instance], key: str) -> None:
+        self.instances, self.key = instances, key
+        self.heap = [(getattr(i, key), i.position) for i in instances]
+        heapq.heapify(self.heap)
+        self.limit = 4 * len(instances) + 64  # past it, rebuilt from the current loads
+
+    def changed(self, instance: _Instance) -> None:
+        heapq.heappush(self.heap, (getattr(instance, self.key), instance.position))
+        if len(self.heap) > self.limit:
+            self.heap = [(getattr(i, self.key), i.position) for i in self.instances]
+            heapq.heapify(self.heap)
+
+    def least(self) -> _Instance:
+        heap, instances, key = self.heap, self.instances, self.key
+        while True:
+            load, position = heap[0]
+            instance = instances[position]
+            if getattr(instance, key) == load:
+                return instance
+            heapq.heappop(heap)
 
 
 def simulate(profile: Profile, requests: list[SimRequest], prefill: int, decode: int,
@@ -100,8 +132,15 @@ class _Simulation:
         self.p = profile
         self.colocated = colocated
         self.local_prefill_max_tokens = local_prefill_max_tokens
-        self.prefills = [] if colocated else [_Instance() for _ in range(prefill)]
-        self.decodes = [_Instance() for _ in range(decode)]
+        self.prefills = [] if colocated else [_Instance(k) for k in range(prefill)]
+        self.decodes = [_Instance(k) for k in range(decode)]
+        self.least_prefill = _LeastLoaded(self.prefills, "load_tokens")
+        self.least_decode = _LeastLoaded(self.decodes, "jobs")
+        # the prompt tokens a second the prefill pool computes (its busy instances' rates, summed
+        # in the pool's order) is only read by a profile with a co-tenancy term; kept until a
+        # prefill instance starts or ends a step
+        self.rate_used = bool(any(profile.decode_cotenancy_coeffs) or profile.mixed_cotenancy) and bool(self.prefills)
+        self.rate, self.rate_stale = 0.0, True
         self.events: list = []
         self.seq = itertools.count()
         self.done: list[_Job] = []
@@ -123,7 +162,7 @@ class _Simulation:
                     job.finish_s = now
                     self.done.append(job)
                     continue
-                instance.queue.append(job)
+                self._enqueue_decode(instance, job)
                 self._kick(now, instance, decode=True)
             elif kind == "prefill_done":
                 self._prefill_step_done(now, payload)
@@ -139,14 +178,38 @@ class _Simulation:
     # ------------------------------------------------------------ prefill pool
     def _arrive(self, now: float, job: _Job) -> None:
         if self.colocated or job.remaining_prompt <= self.local_prefill_max_tokens:
-            instance = min(self.decodes, key=lambda i: len(i.running) + len(i.queue))
-            instance.queue.append(job)
+            instance = self._pick_decode()
+            self._enqueue_decode(instance, job)
             self._kick(now, instance, decode=True)
             return
-        instance = min(self.prefills, key=lambda i: i.load_tokens)
+        instance = self._pick_prefill()
         instance.queue.append(job)
         instance.load_tokens += job.remaining_prompt
+        self.least_prefill.changed(instance)
         self._kick(now, instance, decode=False)
+
+    def _pick_prefill(self) -> _Instance:
+        """The prefill instance with the fewest queued tokens, the first of them on a tie."""
+        return self.least_prefill.least()
+
+    def _pick_decode(self) -> _Instance:
+        """The decode instance with the fewest requests, the first of them on a tie."""
+        return self.least_decode.least()
+
+    def _enqueue_decode(self, instance: _Instance, job: _Job) -> None:
+        instance.queue.append(job)
+        instance.jobs += 1
+        self.least_decode.changed(instance)
+
+    def _prefill_rate(self) -> float:
+        """Prompt tokens a second the prefill pool computes, by instance (0.0 where no profile
+        term reads it: a rate times a zero co-tenancy term adds nothing)."""
+        if not self.rate_used:
+            return 0.0
+        if self.rate_stale:
+            self.rate = sum(i.rate for i in self.prefills if i.busy) / len(self.prefills)
+            self.rate_stale = False
+        return self.rate
 
     def _kick(self, now: float, instance: _Instance, decode: bool) -> None:
         if instance.busy:
@@ -169,21 +232,24 @@ class _Simulation:
         tokens, squared, cached = _attention(chunks)
         duration = self.p.prefill_step_s(tokens, squared, cached)
         instance.busy, instance.rate = True, tokens / duration if duration > 0 else 0.0
+        self.rate_stale = True
         self.push(now + duration, "prefill_done", (instance, chunks))
 
     def _prefill_step_done(self, now: float, payload) -> None:
         instance, chunks = payload
         instance.busy = False
+        self.rate_stale = True
         for job, n in chunks:
             job.remaining_prompt -= n
             instance.load_tokens -= n
             if job.remaining_prompt == 0:
                 instance.queue.remove(job)
-                target = min(self.decodes, key=lambda i: len(i.running) + len(i.queue))
+                target = self._pick_decode()
                 arrival = now + self.p.transfer_s(job.req.uncached_len)
                 job.first_token_s = arrival  # the first token reaches the client with the KV
                 job.generated, job.context = 1, job.req.prompt_len + 1
                 self.push(arrival, "kv", (target, job))
+        self.least_prefill.changed(instance)
         self._kick(now, instance, decode=False)
 
     # ------------------------------------------------------------ decode pool
@@ -199,7 +265,7 @@ class _Simulation:
             instance.running.append(instance.queue.pop(0))
         if not instance.running:
             return
-        rate = sum(i.rate for i in self.prefills if i.busy) / len(self.prefills) if self.prefills else 0.0
+        rate = self._prefill_rate()
         if self.colocated or any(j.remaining_prompt for j in instance.running):
             duration, chunks = self._colocated_work(instance, rate)
         else:
@@ -245,6 +311,9 @@ class _Simulation:
                 self.done.append(job)
             else:
                 still.append(job)
+        if len(still) != len(instance.running):
+            instance.jobs -= len(instance.running) - len(still)
+            self.least_decode.changed(instance)
         instance.running = still
 
 
