@@ -16,9 +16,10 @@ bounded: `held` by the worker's own block count (and `max_held`, past which the 
 re-read from scratch), `expected` by `max_expected` per worker (oldest dropped). A worker
 that leaves the pool is forgotten whole.
 
-Beside the per-worker sets, the index keeps their inverse, key -> workers holding it (one
-map for `held`, one for `expected`), updated by every mutation, so `matched_all` finds every
-worker's match in one walk over the prompt's keys instead of one walk per worker.
+Beside the per-worker sets, the index keeps their inverse, key -> the workers holding it as a
+bit mask (one map for `held`, one for `expected`), updated by every mutation, so
+`matched_all` finds every worker's match in one walk over the prompt's keys instead of one
+walk per worker, narrowing a mask of the workers still matching.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class WorkerCache:
     cursor: int = 0
     held: set[int] = field(default_factory=set)
     expected: OrderedDict[int, float] = field(default_factory=OrderedDict)  # key -> expiry (clock)
+    bit: int = 0  # this worker's bit in the index's holder masks
 
 
 class PromptKeys:
@@ -63,22 +65,31 @@ class CacheIndex:
         self.expect_ttl_s, self.max_expected, self.max_held = expect_ttl_s, max_expected, max_held
         self.clock = clock
         self._workers: dict[str, WorkerCache] = {}
-        # The inverse of every worker's `held` and `expected` (invariant: w in _held_by[k] iff
-        # k in _workers[w].held, likewise for expected; no empty sets are kept).
-        self._held_by: dict[int, set[str]] = {}
-        self._expected_by: dict[int, set[str]] = {}
+        # The inverse of every worker's `held` and `expected`, as bit masks of workers (each
+        # worker has a bit of its own, `WorkerCache.bit`; invariant: w's bit is in
+        # _held_by[k] iff k in _workers[w].held, likewise for expected; no zero masks are
+        # kept). A mask is a small int where a set of names was a set object: a third of
+        # the memory per indexed block.
+        self._held_by: dict[int, int] = {}
+        self._expected_by: dict[int, int] = {}
+        self._named: dict[int, str] = {}  # bit -> worker id
 
     # ------------------------------------------------------------ membership
     def add_worker(self, worker_id: str, root: bytes, block_size: int) -> None:
         """Start tracking a worker whose engine hashes blocks from `root` (idempotent)."""
         if worker_id not in self._workers and root and block_size > 0:
-            self._workers[worker_id] = WorkerCache(root, block_size)
+            bit = 1
+            while bit in self._named:  # the lowest free bit: masks stay as short as the pool is
+                bit <<= 1
+            self._named[bit] = worker_id
+            self._workers[worker_id] = WorkerCache(root, block_size, bit=bit)
 
     def remove_worker(self, worker_id: str) -> None:
         cache = self._workers.pop(worker_id, None)
         if cache is not None:
-            _unlink(self._held_by, worker_id, cache.held)
-            _unlink(self._expected_by, worker_id, cache.expected)
+            _unlink(self._held_by, cache.bit, cache.held)
+            _unlink(self._expected_by, cache.bit, cache.expected)
+            del self._named[cache.bit]
 
     def worker_ids(self) -> list[str]:
         return list(self._workers)
@@ -126,17 +137,17 @@ class CacheIndex:
         new = set(keys).difference(cache.held)
         cache.held |= new
         for key in new:
-            self._held_by.setdefault(key, set()).add(worker_id)
+            self._held_by[key] = self._held_by.get(key, 0) | cache.bit
 
     def _drop_held(self, worker_id: str, cache: WorkerCache, keys) -> None:
         for key in keys:
             if key in cache.held:
                 cache.held.discard(key)
-                _unlink(self._held_by, worker_id, (key,))
+                _unlink(self._held_by, cache.bit, (key,))
 
     def _drop_expected(self, worker_id: str, cache: WorkerCache, key: int) -> None:
         if cache.expected.pop(key, None) is not None:
-            _unlink(self._expected_by, worker_id, (key,))
+            _unlink(self._expected_by, cache.bit, (key,))
 
     def expect(self, worker_id: str, prompt: PromptKeys) -> None:
         """`worker_id` is about to hold the full blocks of `prompt` (all tokens but the last)."""
@@ -148,10 +159,10 @@ class CacheIndex:
             if key not in cache.held:
                 cache.expected[key] = expiry
                 cache.expected.move_to_end(key)
-                self._expected_by.setdefault(key, set()).add(worker_id)
+                self._expected_by[key] = self._expected_by.get(key, 0) | cache.bit
         while len(cache.expected) > self.max_expected:
             key, _ = cache.expected.popitem(last=False)
-            _unlink(self._expected_by, worker_id, (key,))
+            _unlink(self._expected_by, cache.bit, (key,))
 
     # ------------------------------------------------------------ queries
     def matched_tokens(self, worker_id: str, prompt: PromptKeys) -> int:
@@ -180,51 +191,57 @@ class CacheIndex:
         it costs about the prompt's blocks plus the workers, not their product, when a key is
         held by every tracked worker or by few."""
         matched = dict.fromkeys(worker_ids, 0)
-        groups: dict[tuple[bytes, int], set[str]] = {}
+        groups: dict[tuple[bytes, int], int] = {}  # (root, block size) -> mask of its workers asked
         for worker_id in matched:
             cache = self._workers.get(worker_id)
             if cache is not None:
-                groups.setdefault((cache.root, cache.block_size), set()).add(worker_id)
+                group = (cache.root, cache.block_size)
+                groups[group] = groups.get(group, 0) | cache.bit
         now = self.clock()
         for (root, block_size), active in groups.items():
             self._walk(prompt.keys(root, block_size), block_size, active, now, matched)
         return matched
 
-    def _walk(self, keys: list[int], block_size: int, active: set[str], now: float,
-              matched: dict[str, int]) -> None:
-        """Set matched[w] for each w in `active` (workers sharing `keys`' root and block size):
-        the leading keys found in its `held`, or in its unexpired `expected`, times
-        `block_size`. Walks `keys` in order keeping the workers still matching; stops when
-        none remain."""
-        everyone, run = len(self._workers), 0
+    def _walk(self, keys: list[int], block_size: int, active: int, now: float, matched: dict[str, int]) -> None:
+        """Set matched[w] for each w in `active` (a mask of workers sharing `keys`' root and
+        block size): the leading keys found in its `held`, or in its unexpired `expected`,
+        times `block_size`. Walks `keys` in order keeping the workers still matching; stops
+        when none remain."""
+        run = 0
         for key in keys:
-            held = self._held_by.get(key, _EMPTY)
-            if len(held) != everyone:  # else every tracked worker holds it: all still match
-                staying = active & held
-                for worker_id in (active & self._expected_by.get(key, _EMPTY)) - staying:
-                    cache = self._workers[worker_id]
+            staying = active & self._held_by.get(key, 0)
+            if staying != active:  # else every worker still matching holds it
+                for bit in _bits(active & self._expected_by.get(key, 0) & ~staying):
+                    cache = self._workers[self._named[bit]]
                     if cache.expected[key] < now:
-                        self._drop_expected(worker_id, cache, key)
+                        self._drop_expected(self._named[bit], cache, key)
                     else:
-                        staying.add(worker_id)
-                for worker_id in active - staying:
-                    matched[worker_id] = run * block_size
+                        staying |= bit
+                for bit in _bits(active & ~staying):
+                    matched[self._named[bit]] = run * block_size
                 active = staying
                 if not active:
                     return
             run += 1
-        for worker_id in active:
-            matched[worker_id] = run * block_size
+        for bit in _bits(active):
+            matched[self._named[bit]] = run * block_size
 
 
-_EMPTY: frozenset = frozenset()
+def _bits(mask: int):
+    """The set bits of `mask`, lowest first, each as a mask of its own."""
+    while mask:
+        bit = mask & -mask
+        yield bit
+        mask ^= bit
 
 
-def _unlink(holders: dict[int, set[str]], worker_id: str, keys) -> None:
-    """Remove `worker_id` from holders[key] for each of `keys`, dropping emptied entries."""
+def _unlink(holders: dict[int, int], bit: int, keys) -> None:
+    """Clear `bit` in holders[key] for each of `keys`, dropping emptied entries."""
     for key in keys:
-        workers = holders.get(key)
-        if workers is not None:
-            workers.discard(worker_id)
-            if not workers:
+        mask = holders.get(key)
+        if mask is not None:
+            mask &= ~bit
+            if mask:
+                holders[key] = mask
+            else:
                 del holders[key]

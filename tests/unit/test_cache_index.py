@@ -199,12 +199,15 @@ def _run(index: CacheIndex, clock: Clock, op: tuple) -> None:
 
 
 def _inverse(index: CacheIndex) -> tuple[dict, dict]:
+    """The key -> holders masks the per-worker sets imply (each worker's bit its own)."""
     held, expected = {}, {}
-    for worker, cache in index._workers.items():
+    bits = [cache.bit for cache in index._workers.values()]
+    assert all(bit and bit & (bit - 1) == 0 for bit in bits) and len(set(bits)) == len(bits)
+    for cache in index._workers.values():
         for key in cache.held:
-            held.setdefault(key, set()).add(worker)
+            held[key] = held.get(key, 0) | cache.bit
         for key in cache.expected:
-            expected.setdefault(key, set()).add(worker)
+            expected[key] = expected.get(key, 0) | cache.bit
     return held, expected
 
 
