@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -170,7 +171,10 @@ class WorkerActor:
 
 
 class RouterActor:
-    """The router, reading pool membership from the controller."""
+    """One router replica, reading pool membership from the controller. With
+    `router.replicas` > 1 every replica binds the same host:port (SO_REUSEPORT,
+    router.server.shared_socket) and serves the connections the kernel gives it; each follows
+    every worker's updates itself, so each routes with the whole picture."""
 
     def __init__(self) -> None:
         from pdserve.engine.logs import setup_logging
@@ -179,6 +183,7 @@ class RouterActor:
         self.server = None
         self.task = self.watch = None
         self.url = ""
+        self.stopping = False
         self._memo: dict = {}  # the controller's decisions (targets, pins), kept here to outlive it
 
     async def start(self, config: RouterConfig, controller_name: str, namespace: str) -> str:
@@ -210,6 +215,19 @@ class RouterActor:
     async def get_url(self) -> str:
         return self.url
 
+    async def info(self) -> dict:
+        """Its URL, process and state (starting, ready, stopping): `status()`, and how a
+        restarted controller re-adopts it."""
+        state = "stopping" if self.stopping else ("ready" if self.server is not None and self.server.started
+                                                  else "starting")
+        return {"url": self.url, "pid": os.getpid(), "state": state}
+
+    async def requests_total(self) -> int:
+        """Requests this replica finished (every finish reason): its own `pdserve_requests_total`."""
+        metrics = self.server.config.app.state.router.metrics
+        return int(sum(sample.value for family in metrics.requests.collect() for sample in family.samples
+                       if sample.name.endswith("_total")))
+
     async def remember(self, memo: dict) -> None:
         """Keep the controller's decisions, so that a restarted controller resumes them."""
         self._memo = dict(memo)
@@ -237,8 +255,49 @@ class RouterActor:
     async def observations(self, window_s: float, percentile: float = 90.0) -> dict:
         return self.server.config.app.state.router.observations(window_s, percentile)
 
-    async def stop(self) -> None:
+    async def observation_samples(self, window_s: float) -> dict:
+        """The raw material of `observations` (router.state.Router.observations): this
+        replica's finished requests of the last `window_s` seconds, oldest first, as
+        FinishedRequest tuples, and its open requests. `merge_observations` combines the
+        replicas' into what one router would have observed."""
+        router = self.server.config.app.state.router
+        now = time.monotonic()
+        return {"finished": [dataclasses.astuple(r) for r in router.finished if now - r.end <= window_s],
+                "inflight": router.inflight}
+
+    async def stop(self, drain_s: float = 0.0) -> None:
+        """Stop serving. With `drain_s` (a replica scaled away), first stop accepting
+        connections and give the open requests up to that long to finish."""
+        self.stopping = True
+        if self.server is not None and drain_s > 0 and self.server.started:
+            for listener in getattr(self.server, "servers", []):
+                listener.close()  # the kernel gives new connections to the other replicas
+            router = self.server.config.app.state.router
+            deadline = time.monotonic() + drain_s
+            while router.inflight and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
         if self.server is not None:
             self.server.should_exit = True
             await asyncio.wait_for(asyncio.shield(self.task), timeout=10)
         await asyncio.to_thread(tracing.flush)
+
+
+def merge_observations(parts: list[dict], window_s: float, percentile: float = 90.0) -> dict:
+    """What the autoscaler reads (router.state.Router.observations' format) from every
+    replica's `observation_samples`: their finished requests pooled, so that the rate counts
+    all of them and the percentiles are of every sample, not an average of percentiles; the
+    latest 500 lengths and arrivals across replicas; open requests summed. The replicas share
+    one host, so their monotonic clocks agree."""
+    from pdserve.engine import stats
+    from pdserve.router.state import FinishedRequest
+
+    recent = sorted((FinishedRequest(*r) for part in parts for r in part["finished"]), key=lambda r: r.end)
+    ttft = [r.ttft_s for r in recent if r.ttft_s is not None]
+    tpot = [r.tpot_s for r in recent if r.tpot_s is not None]
+    prompt_tokens = sum(r.prompt_tokens for r in recent)
+    latest = recent[-500:]
+    return {"count": len(recent), "rate": len(recent) / window_s, "ttft_p": stats.percentile(ttft, percentile),
+            "tpot_p": stats.percentile(tpot, percentile),
+            "hit_rate": sum(r.cached_tokens for r in recent) / prompt_tokens if prompt_tokens else 0.0,
+            "lengths": [(r.prompt_tokens, max(1, r.completion_tokens), r.cached_tokens) for r in latest],
+            "arrivals": [r.arrival for r in latest], "inflight": sum(part["inflight"] for part in parts)}

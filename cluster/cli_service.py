@@ -21,7 +21,17 @@ command uses it. Ray's own CLI needs the same settings: `pdserve ray status` (or
 RAY_AUTH_MODE=disabled turns token auth off (pdserve warns)."""
 
 
+def _routers_flag() -> str:
+    """The flag of `router.replicas`, as the router's settings declare it (`--routers`)."""
+    from pdserve.engine.arg_utils import config_options
+    from pdserve.router.config import RouterSettings
+
+    (option,) = [o for o in config_options(RouterSettings) if o.path == ("replicas",)]
+    return option.flag
+
+
 def add_commands(sub) -> None:
+    routers_flag = _routers_flag()
     up = sub.add_parser("up", help="start the router and the prefill and decode pools on Ray",
                         description="Start pdserve: a Ray head here (unless --address), the cluster "
                                     "controller, the pools and the router. Runs in the foreground "
@@ -36,6 +46,8 @@ def add_commands(sub) -> None:
     up.add_argument("--port", type=int, default=None, help="override `router.port`")
     up.add_argument("--prefill", type=int, default=None, help="override `prefill.replicas`")
     up.add_argument("--decode", type=int, default=None, help="override `decode.replicas`")
+    up.add_argument(routers_flag, dest="routers", type=int, default=None,
+                    help="override `router.replicas`: router processes serving the one port")
     up.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                     help="override any config field, e.g. --set decode.engine.max_num_seqs=64")
     up.add_argument("--plan", default=None, help="start pools of the sizes in a `pdserve plan` file")
@@ -50,10 +62,12 @@ def add_commands(sub) -> None:
                         help="seconds between refreshes with --watch (default: 2)")
     status.set_defaults(func=_status)
 
-    scale = sub.add_parser("scale", help="resize the prefill and/or decode pool")
+    scale = sub.add_parser("scale", help="resize the prefill and/or decode pool, or the router replicas")
     scale.add_argument("--address", default=None, help=ADDRESS_HELP)
     scale.add_argument("--prefill", type=int, default=None, help="prefill workers wanted (pins the pool)")
     scale.add_argument("--decode", type=int, default=None, help="decode workers wanted (pins the pool)")
+    scale.add_argument(routers_flag, dest="routers", type=int, default=None,
+                       help="router replicas wanted (extra ones finish their open requests, then stop)")
     scale.add_argument("--plan", default=None, help="apply the pool sizes of a `pdserve plan` file")
     scale.add_argument("--auto", action="store_true", help="hand both pools back to the autoscaler (clears pins)")
     scale.add_argument("--no-wait", action="store_true", help="return before workers are ready/drained")
@@ -80,7 +94,8 @@ def _overrides(args) -> dict:
 
         out.update(replicas_from_plan(args.plan))
     for key, value in (("model", args.model), ("router.host", args.host), ("router.port", args.port),
-                       ("prefill.replicas", args.prefill), ("decode.replicas", args.decode)):
+                       ("prefill.replicas", args.prefill), ("decode.replicas", args.decode),
+                       ("router.replicas", getattr(args, "routers", None))):
         if value is not None:
             out[key] = value
     for item in args.set:
@@ -113,7 +128,8 @@ def _up(args) -> int:
         if "already up" in str(exc):
             raise
     controller = create_controller(config)
-    print(f"starting {config.prefill.replicas} prefill + {config.decode.replicas} decode worker(s) "
+    routers = f" and {config.router.replicas} router replicas" if config.router.replicas > 1 else ""
+    print(f"starting {config.prefill.replicas} prefill + {config.decode.replicas} decode worker(s){routers} "
           f"of {config.model} ...", file=sys.stderr, flush=True)
     started = time.monotonic()
     try:
@@ -300,6 +316,12 @@ def print_status(status: dict) -> None:
     simulated = (f" (simulated: the tokenizer and shapes of {sim['like']}, step times of "
                  f"{sim['profile'] or 'the committed profile'} at speed {sim['speed']:g}, no weights)") if sim else ""
     print(f"router: {status['router']}   model: {status['model']}{simulated}")
+    replicas = status.get("routers") or []
+    if len(replicas) > 1 or status.get("router_target", 1) != 1:
+        print(f"router replicas: target {status.get('router_target', len(replicas))}, {len(replicas)} running")
+    for r in replicas:
+        print(f"  router {r['replica']:<3} {r.get('name', ''):20} {r['address'] or '-':22} pid {r['pid'] or '-'!s:>7}  "
+              f"{r['state']}")
     routing = status.get("routing") or {}
     index = routing.get("index", {})
     if routing:
@@ -349,12 +371,14 @@ def _scale(args) -> int:
     if args.auto:
         _ask(lambda: controller.clear_override.remote())
         print("both pools are back under the autoscaler")
-        if args.prefill is None and args.decode is None:
+        if args.prefill is None and args.decode is None and args.routers is None:
             return 0
-    if args.prefill is None and args.decode is None:
-        raise ValueError("give --prefill N and/or --decode M, --plan FILE, or --auto")
-    targets = _ask(lambda: controller.scale.remote(prefill=args.prefill, decode=args.decode, wait=not args.no_wait))
-    print(f"pools now: prefill {targets['prefill']}, decode {targets['decode']}")
+    if args.prefill is None and args.decode is None and args.routers is None:
+        raise ValueError(f"give --prefill N, --decode M and/or {_routers_flag()} R, --plan FILE, or --auto")
+    targets = _ask(lambda: controller.scale.remote(prefill=args.prefill, decode=args.decode, wait=not args.no_wait,
+                                                   routers=args.routers))
+    routers = f", router replicas {targets['routers']}" if "routers" in targets else ""
+    print(f"pools now: prefill {targets['prefill']}, decode {targets['decode']}{routers}")
     return 0
 
 

@@ -15,10 +15,16 @@ and starts by itself when a node with room joins. Draining workers refuse new re
 themselves (so nothing races the router's view), finish what they hold, and are stopped
 once their stats show nothing open.
 
-Workers and the router are detached, named actors: they do not share the controller's
+The router is `router.replicas` RouterActors on the head node, all serving one host:port
+(SO_REUSEPORT): replica 0 is named ROUTER_NAME, replica i `ROUTER_NAME-i`. The health loop
+pings each and replaces a dead one alone; `scale(routers=N)` starts replicas or stops the
+highest-numbered ones (each finishing its open requests first). Routing state needs no
+sharing: every replica follows every worker's updates itself.
+
+Workers and router replicas are detached, named actors: they do not share the controller's
 fate. When the controller dies, Ray restarts it; the new one re-adopts the running workers
-(each reports what it is) and the router (which keeps the controller's targets and pins),
-and scaling and autoscaling resume (`_recover`).
+(each reports what it is) and router replicas (which keep the controller's targets and
+pins), and scaling and autoscaling resume (`_recover`).
 """
 
 from __future__ import annotations
@@ -31,9 +37,18 @@ from collections import deque
 
 import ray
 
-from pdserve.cluster.actors import RouterActor, WorkerActor
+from pdserve.cluster.actors import RouterActor, WorkerActor, merge_observations
 from pdserve.cluster.config import ServeConfig
-from pdserve.cluster.recovery import NAMESPACE, ROLES, ROUTER_NAME, WORKER_PREFIX, Recovery, WorkerRecord
+from pdserve.cluster.recovery import (
+    NAMESPACE,
+    ROLES,
+    WORKER_PREFIX,
+    Recovery,
+    RouterRecord,
+    WorkerRecord,
+    router_name,
+    router_replica,
+)
 from pdserve.engine.logs import setup_logging
 
 logger = logging.getLogger(__name__)
@@ -54,8 +69,10 @@ class Controller(Recovery):
         self.workers: dict[int, WorkerRecord] = {}
         self.events: deque[dict] = deque(maxlen=200)
         self.start_failures = {role: 0 for role in ROLES}
-        self.router = None
+        self.routers: dict[int, RouterRecord] = {}  # by replica
+        self.router_target = self.config.router.replicas
         self.router_url = ""
+        self._routers_lock = asyncio.Lock()  # one change of the router replicas at a time
         self._keys = iter(range(1 << 62))
         self._health_task: asyncio.Task | None = None
         self.manual: set[str] = set()  # pools an operator sized by hand: the autoscaler leaves them alone
@@ -68,12 +85,16 @@ class Controller(Recovery):
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> str:
-        """Start the pools and the router; returns the router's URL once workers are ready."""
+        """Start the pools and the router replicas; returns the router's URL once workers
+        and every replica are ready."""
         self._reconcile()
         await self._wait_ready(include_pending=True)
-        await self._start_router()
+        failures = await self._reconcile_routers()
+        if failures:
+            raise failures[0]
         self._start_loops()
-        self._event("router", "ready", self.router_url)
+        self._event("router", "ready", self.router_url + (f" ({len(self.routers)} replicas)"
+                                                          if len(self.routers) > 1 else ""))
         return self.router_url
 
     def _start_loops(self) -> None:
@@ -82,25 +103,59 @@ class Controller(Recovery):
         if self.autoscaler is not None:
             self._autoscale_task = loop.create_task(self._autoscale_loop())
 
-    async def _start_router(self) -> None:
-        router_config = self.config.router_config()
-        self.router = ray.remote(RouterActor).options(
-            name=ROUTER_NAME, namespace=NAMESPACE, num_cpus=0, lifetime="detached", resources=ON_HEAD,
+    async def _start_router(self, replica: int) -> RouterRecord:
+        """Start router replica `replica`; raises (and kills it) when it does not start."""
+        handle = ray.remote(RouterActor).options(
+            name=router_name(replica), namespace=NAMESPACE, num_cpus=0, lifetime="detached", resources=ON_HEAD,
             runtime_env={"env_vars": dict(self.config.env)}).remote()
-        self.router_url = await self.router.start.remote(router_config, CONTROLLER_NAME, NAMESPACE)
+        record = RouterRecord(replica, handle)
+        self.routers[replica] = record
+        try:
+            url = await handle.start.remote(self.config.router_config(), CONTROLLER_NAME, NAMESPACE)
+            info = await asyncio.wait_for(handle.info.remote(), 10)
+        except BaseException:
+            if self.routers.get(replica) is record:
+                del self.routers[replica]
+            ray.kill(handle, no_restart=True)
+            raise
+        record.url, record.pid, record.state = url, info["pid"], "ready"
+        self.router_url = url
         self._remember()
+        return record
+
+    async def _stop_router(self, r: RouterRecord, drain_s: float = 0.0) -> None:
+        """Stop a replica gracefully (with `drain_s`: it stops accepting, then finishes what it
+        holds), then kill its actor."""
+        r.state = "stopping"
+        try:
+            await asyncio.wait_for(r.handle.stop.remote(drain_s), drain_s + 15)
+        except Exception:  # noqa: BLE001 - it is going away regardless
+            pass
+        ray.kill(r.handle, no_restart=True)
+        if self.routers.get(r.replica) is r:
+            del self.routers[r.replica]
+
+    async def _reconcile_routers(self) -> list[BaseException]:
+        """Start the missing replicas below `router_target` and stop those above it, at once;
+        returns why each replica that failed to start did."""
+        async with self._routers_lock:
+            missing = [i for i in range(self.router_target) if i not in self.routers]
+            extra = [r for i, r in self.routers.items() if i >= self.router_target and r.state != "stopping"]
+            for r in extra:
+                self._event("router", "stopping", f"{r.name} {r.url} pid {r.pid}")
+            results = await asyncio.gather(*(self._start_router(i) for i in missing),
+                                           *(self._stop_router(r, self.config.drain_timeout_s) for r in extra),
+                                           return_exceptions=True)
+            for r in extra:
+                self._event("router", "stopped", f"{r.name} pid {r.pid}")
+            return [exc for exc in results[:len(missing)] if isinstance(exc, BaseException)]
 
     async def shutdown(self) -> None:
         await self._recover()
         for task in (self._health_task, self._autoscale_task):
             if task is not None:
                 task.cancel()
-        if self.router is not None:
-            try:
-                await asyncio.wait_for(self.router.stop.remote(), 10)
-            except Exception:  # noqa: BLE001 - it is going away regardless
-                pass
-            ray.kill(self.router)
+        await asyncio.gather(*(self._stop_router(r) for r in list(self.routers.values())), return_exceptions=True)
         await asyncio.gather(*(self._stop(w) for w in list(self.workers.values())), return_exceptions=True)
         self.workers.clear()
 
@@ -140,12 +195,17 @@ class Controller(Recovery):
         autoscaler = {"enabled": self.autoscaler is not None, "overridden": sorted(self.manual),
                       "decisions": list(self.decisions)[-5:],
                       "slo": {"ttft_s": spec.ttft_slo_s, "tpot_s": spec.tpot_slo_s, "percentile": spec.percentile}}
+        # replica 0's view (each replica's cache index and load counts are its own, built from
+        # the same worker updates; its counts of requests are of the requests it routed)
+        first = next((r for _, r in sorted(self.routers.items()) if r.state == "ready"), None)
         try:
-            routing = await asyncio.wait_for(self.router.routing_summary.remote(), 3) if self.router else None
+            routing = await asyncio.wait_for(first.handle.routing_summary.remote(), 3) if first else None
         except Exception:  # noqa: BLE001 - shown as unknown
             routing = None
-        return {"router": self.router_url, "model": self.config.name, "simulated": self.config.simulated(),
-                "pools": pools, "events": list(self.events), "autoscaler": autoscaler, "routing": routing}
+        return {"router": self.router_url, "routers": [r.view() for _, r in sorted(self.routers.items())],
+                "router_target": self.router_target, "model": self.config.name,
+                "simulated": self.config.simulated(), "pools": pools, "events": list(self.events),
+                "autoscaler": autoscaler, "routing": routing}
 
     async def autoscaler_summary(self) -> dict | None:
         """The latest decision (for the router's metrics), or None when autoscaling is off."""
@@ -157,6 +217,11 @@ class Controller(Recovery):
                 "desired": last["desired"] if last else dict(self.targets),
                 "correction": last["correction"] if last else {"prefill": 1.0, "decode": 1.0}}
 
+    async def router_handles(self) -> dict[int, object]:
+        """The actor handle of each router replica, by replica (operators and tests)."""
+        await self._recover()
+        return {i: r.handle for i, r in sorted(self.routers.items())}
+
     async def handle_of(self, worker_id: str):
         """The actor handle of a worker (operators and tests: e.g. to kill one)."""
         await self._recover()
@@ -167,10 +232,14 @@ class Controller(Recovery):
 
     # ------------------------------------------------------------ scaling
     async def scale(self, prefill: int | None = None, decode: int | None = None, wait: bool = True,
-                    manual: bool = True) -> dict:
-        """Set pool sizes; with `wait`, return once new workers serve and drained ones stopped.
-        A manual scale (operators) pins the pool against the autoscaler until `clear_override`."""
+                    manual: bool = True, routers: int | None = None) -> dict:
+        """Set pool sizes and/or the number of router replicas; with `wait`, return once new
+        workers and replicas serve and drained ones stopped. A manual scale (operators) pins
+        the pool against the autoscaler until `clear_override`. Returns the pools' targets,
+        and `routers` when it was given."""
         await self._recover()
+        if routers is not None and routers < 1:
+            raise ValueError(f"router replicas must be >= 1, got {routers}")
         for role, n in (("prefill", prefill), ("decode", decode)):
             if n is None:
                 continue
@@ -181,6 +250,11 @@ class Controller(Recovery):
             if manual:
                 self.manual.add(role)
             self._event(role, "scale" if manual else "autoscale", f"target {n}")
+        routers_changed = None
+        if routers is not None:
+            self.router_target = routers
+            self._event("router", "scale", f"target {routers} replica(s)")
+            routers_changed = asyncio.get_running_loop().create_task(self._scale_routers())
         self._remember()
         self._reconcile()
         if wait:
@@ -188,7 +262,18 @@ class Controller(Recovery):
             await self._wait_ready()
             while any(w.state == "draining" for w in self.workers.values()):
                 await asyncio.sleep(0.1)
-        return {role: self.targets[role] for role in ROLES}
+            if routers_changed is not None:
+                failures = await routers_changed
+                if failures:
+                    raise RuntimeError(f"router replicas failed to start: {failures[0]}")
+        out = {role: self.targets[role] for role in ROLES}
+        return out if routers is None else {**out, "routers": self.router_target}
+
+    async def _scale_routers(self) -> list[BaseException]:
+        failures = await self._reconcile_routers()
+        for exc in failures:
+            self._event("router", "start_failed", str(exc)[:200])
+        return failures
 
     async def drain(self, worker_id: str) -> dict | None:
         """Drain one ready worker (an operator's: a slow or suspect one) and start its
@@ -230,7 +315,7 @@ class Controller(Recovery):
         while True:
             await asyncio.sleep(spec.interval_s)
             try:
-                observed = await self.router.observations.remote(spec.window_s, spec.percentile)
+                observed = await self._observations(spec.window_s, spec.percentile)
                 current = dict(self.targets)
                 decision = await asyncio.to_thread(self.autoscaler.decide, observed, current, set(self.manual))
             except Exception as exc:  # noqa: BLE001 - keep deciding next interval
@@ -244,6 +329,18 @@ class Controller(Recovery):
                         current, decision.desired, decision.action, decision.correction, entry["observed"])
             if decision.action:
                 await self.scale(**decision.action, wait=False, manual=False)
+
+    async def _observations(self, window_s: float, percentile: float) -> dict:
+        """What every ready router replica observed, merged (each replica sees only the
+        requests the kernel gave it); replicas that do not answer are left out."""
+        ready = [r for r in self.routers.values() if r.state == "ready"]
+        parts = await asyncio.gather(*(asyncio.wait_for(r.handle.observation_samples.remote(window_s), 10)
+                                       for r in ready), return_exceptions=True)
+        answered = [p for p in parts if not isinstance(p, BaseException)]
+        if not answered:
+            raise RuntimeError("no router replica answered for its observations"
+                               + (f": {parts[0]}" if parts else ""))
+        return merge_observations(answered, window_s, percentile)
 
     def _reconcile(self) -> None:
         for role in ROLES:
@@ -355,18 +452,35 @@ class Controller(Recovery):
                 await self._forget(w, "dead")
             if dead:
                 self._reconcile()
-            if self.router is not None and not await self._ping_router():
-                self._event("router", "died", self.router_url)
-                ray.kill(self.router, no_restart=True)
-                try:
-                    await self._start_router()
-                    self._event("router", "replaced", self.router_url)
-                except Exception as exc:  # noqa: BLE001 - retried at the next check
-                    self._event("router", "start_failed", str(exc)[:200])
+            await self._check_routers()
 
-    async def _ping_router(self) -> bool:
+    async def _check_routers(self) -> None:
+        """Ping every ready replica; replace each dead one alone (the others serve on), and
+        start any replica missing below the target (one that failed to start before)."""
+        if self._routers_lock.locked():
+            return  # replicas are being started or stopped: checked next time
+        ready = [r for r in self.routers.values() if r.state == "ready"]
+        alive = await asyncio.gather(*(self._ping_router(r) for r in ready))
+        dead = [r for r, ok in zip(ready, alive, strict=True) if not ok]
+        for r in dead:
+            self._event("router", "died", f"{r.name} {r.url} pid {r.pid}")
+            ray.kill(r.handle, no_restart=True)
+            if self.routers.get(r.replica) is r:
+                del self.routers[r.replica]
+        if not dead and len(self.routers) >= self.router_target:
+            return
+        failures = await self._reconcile_routers()  # retried at the next check when it fails
+        for exc in failures:
+            self._event("router", "start_failed", str(exc)[:200])
+        for r in dead:
+            new = self.routers.get(r.replica)
+            if new is not None and new.state == "ready":
+                self._event("router", "replaced", f"{new.name} {new.url} pid {new.pid} (was pid {r.pid})")
+
+    @staticmethod
+    async def _ping_router(r: RouterRecord) -> bool:
         try:
-            return bool(await asyncio.wait_for(self.router.ping.remote(), 5))
+            return bool(await asyncio.wait_for(r.handle.ping.remote(), 5))
         except Exception:  # noqa: BLE001 - dead or hung
             return False
 
@@ -397,10 +511,11 @@ class Controller(Recovery):
 
 
 def kill_service_actors() -> int:
-    """Kill every pdserve worker and router actor left on this Ray cluster (they are detached:
-    after a `shutdown` that could not finish, nothing else would); returns how many."""
+    """Kill every pdserve worker and router replica left on this Ray cluster (they are
+    detached: after a `shutdown` that could not finish, nothing else would); returns how many."""
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["namespace"] == NAMESPACE and (a["name"].startswith(WORKER_PREFIX) or a["name"] == ROUTER_NAME)]
+             if a["namespace"] == NAMESPACE and (a["name"].startswith(WORKER_PREFIX)
+                                                 or router_replica(a["name"]) is not None)]
     for name in names:
         try:
             ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)

@@ -1,10 +1,12 @@
 """What lets the controller die without taking the service with it: the record it keeps of
-each worker, and, after Ray restarted it, re-adopting the running workers and the router
-from what they report (`Recovery`, mixed into `cluster.controller.Controller`).
+each worker and router replica, and, after Ray restarted it, re-adopting the running workers
+and router replicas from what they report (`Recovery`, mixed into
+`cluster.controller.Controller`).
 
-Workers and the router are detached, named actors, so they outlive the controller. The
-router also keeps the controller's decisions (pool targets, operator pins) through
-`remember`/`recall`, so a restarted controller resumes them instead of the config's."""
+Workers and router replicas are detached, named actors, so they outlive the controller.
+Every router replica also keeps the controller's decisions (pool targets, operator pins, the
+number of router replicas) through `remember`/`recall`, so a restarted controller resumes
+them instead of the config's."""
 
 from __future__ import annotations
 
@@ -18,6 +20,37 @@ NAMESPACE = "pdserve"
 WORKER_PREFIX = "pdserve-worker-"
 ROUTER_NAME = "pdserve-router"
 ROLES = ("prefill", "decode")
+
+
+def router_name(replica: int) -> str:
+    """The actor name of router replica `replica`: replica 0 keeps ROUTER_NAME."""
+    return ROUTER_NAME if replica == 0 else f"{ROUTER_NAME}-{replica}"
+
+
+def router_replica(name: str) -> int | None:
+    """The replica an actor name is of (`router_name`'s inverse), None for other actors."""
+    if name == ROUTER_NAME:
+        return 0
+    number = name.removeprefix(f"{ROUTER_NAME}-")
+    return int(number) if number != name and number.isdigit() else None
+
+
+@dataclass
+class RouterRecord:
+    """One router replica: a detached actor named `router_name(replica)` on the head node."""
+
+    replica: int
+    handle: object
+    url: str = ""
+    pid: int = 0
+    state: str = "starting"  # starting, ready, stopping
+
+    @property
+    def name(self) -> str:
+        return router_name(self.replica)
+
+    def view(self) -> dict:
+        return {"replica": self.replica, "name": self.name, "address": self.url, "pid": self.pid, "state": self.state}
 
 
 @dataclass
@@ -49,8 +82,8 @@ class WorkerRecord:
 
 class Recovery:
     """Re-adoption after a restart. Uses the controller's `workers`, `targets`, `manual`,
-    `router`, `router_url`, `_keys`, `_restarted` and `_adoption`, and its `_event`,
-    `_reconcile`, `_start_router`, `_start_loops`, `_drain` and `_forget`."""
+    `routers`, `router_target`, `router_url`, `_keys`, `_restarted` and `_adoption`, and its
+    `_event`, `_reconcile`, `_reconcile_routers`, `_start_loops`, `_drain` and `_forget`."""
 
     async def _recover(self) -> None:
         """After a restart, adopt the running workers and router once (every call awaits it)."""
@@ -61,25 +94,45 @@ class Recovery:
         await asyncio.shield(self._adoption)
 
     async def _adopt(self) -> None:
-        try:
-            self.router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
-            self.router_url = await asyncio.wait_for(self.router.get_url.remote(), 10)
-            memo = await asyncio.wait_for(self.router.recall.remote(), 10)
-        except Exception:  # noqa: BLE001 - no live router: the health loop starts one
-            self.router, memo = None, {}
-        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                 if a["namespace"] == NAMESPACE and a["name"].startswith(WORKER_PREFIX)]
+        named = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE]
+        routers = await asyncio.gather(*(self._adopt_router(router_replica(name)) for name in named
+                                         if router_replica(name) is not None))
+        memos = [memo for _, memo in sorted((r.replica, memo) for r, memo in routers if r is not None) if memo]
+        memo = memos[0] if memos else {}  # every replica keeps the same memo: any will do
+        names = [name for name in named if name.startswith(WORKER_PREFIX)]
         adopted = await asyncio.gather(*(self._adopt_worker(name) for name in names))
         counts = {role: sum(1 for w in adopted if w is not None and w.role == role) for role in ROLES}
         self.targets.update(memo.get("targets") or counts)
         self.manual = set(memo.get("manual", ()))
+        self.router_target = memo.get("routers") or len(self.routers) or self.router_target
         self._event("cluster", "controller_restarted",
-                    f"re-adopted {counts['prefill']} prefill + {counts['decode']} decode worker(s)"
-                    f"{' and the router' if self.router is not None else ''}; targets {self.targets}")
-        if self.router is None:
-            await self._start_router()
+                    f"re-adopted {counts['prefill']} prefill + {counts['decode']} decode worker(s) and "
+                    f"{len(self.routers)} router replica(s); targets {self.targets}, {self.router_target} router(s)")
+        for exc in await self._reconcile_routers():
+            self._event("router", "start_failed", str(exc)[:200])
         self._reconcile()
         self._start_loops()
+
+    async def _adopt_router(self, replica: int) -> tuple[RouterRecord | None, dict]:
+        """Adopt a live, serving router replica and recall the memo it keeps; one that does
+        not answer, or was stopping, is killed (reconcile starts a new one if it is wanted)."""
+        name = router_name(replica)
+        try:
+            handle = ray.get_actor(name, namespace=NAMESPACE)
+            info = await asyncio.wait_for(handle.info.remote(), 10)
+            memo = await asyncio.wait_for(handle.recall.remote(), 10)
+            if info["state"] != "ready" or not await asyncio.wait_for(handle.ping.remote(), 10):
+                raise RuntimeError(f"router replica {replica} is {info['state']}")
+        except Exception:  # noqa: BLE001 - dead, hung or half-started: not adopted
+            try:
+                ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+            return None, {}
+        record = RouterRecord(replica, handle, info["url"], info["pid"], "ready")
+        self.routers[replica] = record
+        self.router_url = self.router_url or record.url
+        return record, memo
 
     async def _adopt_worker(self, name: str) -> WorkerRecord | None:
         try:
@@ -121,6 +174,8 @@ class Recovery:
             self._reconcile()
 
     def _remember(self) -> None:
-        """Keep targets and pins with the router, which outlives this actor."""
-        if self.router is not None:
-            self.router.remember.remote({"targets": dict(self.targets), "manual": sorted(self.manual)})
+        """Keep targets, pins and the router replica count with every router replica, which
+        outlive this actor (a restarted controller recalls them from any)."""
+        memo = {"targets": dict(self.targets), "manual": sorted(self.manual), "routers": self.router_target}
+        for r in list(self.routers.values()):
+            r.handle.remember.remote(memo)

@@ -38,6 +38,10 @@ class RouterSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port")
+    replicas: int = Field(1, ge=1, json_schema_extra={"flag": "--routers"},
+                          description="router processes serving the one host:port, each binding it with "
+                                      "SO_REUSEPORT (Linux spreads new connections over them); 1: one router "
+                                      "binding the port as usual")
     routing: RoutingPolicyName = Field(DEFAULT_POLICY, description="how to pick workers; cache-aware: where the "
                                        "prompt's KV is cached, traded against load")
     cache_aware: CacheAwareWeights = Field(default_factory=CacheAwareWeights,
@@ -67,6 +71,13 @@ class RouterSettings(BaseModel):
     def _https_needs_both_files(self):
         if bool(self.https_cert_file) != bool(self.https_key_file):
             raise ValueError("HTTPS needs both a certificate file and a key file")
+        return self
+
+    @model_validator(mode="after")
+    def _replicas_share_a_fixed_port(self):
+        if self.replicas > 1 and self.port == 0:
+            raise ValueError("router replicas share one port: give a port other than 0 (each replica would get "
+                             "its own)")
         return self
 
 

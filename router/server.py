@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import socket
 
 import uvicorn
 
@@ -17,7 +18,44 @@ from pdserve.rpc import tracing
 from pdserve.rpc.security import add_security_args, security_from_args
 
 
-def make_server(config: RouterConfig, source: MembershipSource, controller=None) -> uvicorn.Server:
+def shared_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    """A listening TCP socket on host:port that other processes can bind too: SO_REUSEPORT,
+    with which Linux spreads new connections over every socket bound so (by a hash of each
+    connection's addresses). Every one of them must set it, as the router replicas do; a
+    process that binds the port without it is refused, as it would be anyway. OSError when the
+    port is taken otherwise; RuntimeError where the platform has no SO_REUSEPORT."""
+    if not hasattr(socket, "SO_REUSEPORT"):
+        raise RuntimeError("router replicas need SO_REUSEPORT, which this platform lacks; set router.replicas: 1")
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(address)
+        sock.listen(backlog)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+class RouterServer(uvicorn.Server):
+    """uvicorn's server for one router process. With `router.replicas` > 1 it binds its
+    host:port itself, sharing it with the other replicas (`shared_socket`); with 1 it binds
+    as uvicorn does (a port in use fails the start). HTTPS is the same either way (uvicorn
+    wraps the connections of the sockets it is given)."""
+
+    router: Router
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        config = self.router.config
+        if sockets is None and config.replicas > 1:
+            sockets = [shared_socket(config.host, config.port, self.config.backlog)]
+        await super().serve(sockets=sockets)
+
+
+def make_server(config: RouterConfig, source: MembershipSource, controller=None) -> RouterServer:
     """A uvicorn server for the router; `.router` is the Router (for its actor's queries)."""
     router = Router(config, WorkerRegistry(source, config.security), controller)
     app = build_app(router)
@@ -26,19 +64,21 @@ def make_server(config: RouterConfig, source: MembershipSource, controller=None)
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                timeout_graceful_shutdown=5, access_log=False,
                                ssl_certfile=config.https_cert_file, ssl_keyfile=config.https_key_file)
-    server = uvicorn.Server(uv_config)
+    server = RouterServer(uv_config)
     server.router = router
     return server
 
 
 _FROM_RPC = ("security", "otlp_traces_endpoint")  # their flags are the rpc layer's (security, tracing)
+_BARE_HELPS = {"replicas": "router replicas sharing --host/--port: a bare router starts no others, but with N > 1 "
+                           "it binds its port with SO_REUSEPORT, so N bare routers started alike serve it together"}
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The flags of `python -m pdserve.router`: RouterConfig's fields (engine.arg_utils), the
     workers to route to, the cluster token and TLS files, the trace collector."""
     parser = argparse.ArgumentParser(prog="python -m pdserve.router", description="pdserve router over bare workers")
-    add_config_args(parser, RouterConfig, exclude=_FROM_RPC)
+    add_config_args(parser, RouterConfig, exclude=_FROM_RPC, helps=_BARE_HELPS)
     parser.add_argument("--prefill", action="append", default=[], help="prefill worker host:port (repeatable)")
     parser.add_argument("--decode", action="append", default=[], help="decode worker host:port (repeatable)")
     add_security_args(parser)

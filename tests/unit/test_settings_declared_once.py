@@ -26,8 +26,9 @@ PRODUCT = ("cluster", "router", "worker_base", "prefill_worker", "decode_worker"
            "protos")
 TOKEN = "t" * 32
 # Settings whose names other, different settings share: pdserve up's --host/--port override
-# router.host/port; a worker's host and port are where it listens.
-SHARED_NAMES = {"host", "port"}
+# router.host/port; a worker's host and port are where it listens; `replicas` is the router's
+# (router.replicas, flag --routers) and a pool's (prefill.replicas, decode.replicas).
+SHARED_NAMES = {"host", "port", "replicas"}
 SETTINGS = sorted((set(RouterSettings.model_fields) | set(WorkerSettings.model_fields)) - SHARED_NAMES)
 
 

@@ -1,0 +1,213 @@
+"""Router replicas on the real controller (`router.replicas: 2`, a simulated deployment): both
+replicas serve requests through the one port; one replica's process SIGKILLed mid-traffic
+ends only the streams it carried, while those on the other all complete; the controller
+replaces the dead replica alone (a new process, same name); `scale(routers=1)` leaves one."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import aiohttp
+import pytest
+
+from pdserve.cluster.recovery import NAMESPACE, ROUTER_NAME
+from pdserve.engine.config import SIM_MODEL
+from tests.e2e.conftest import start_service, stop_service
+from tests.e2e.http import post
+
+MAX_TOKENS = 120
+
+
+@pytest.fixture(scope="module")
+def replicated(ray_cluster):
+    controller, url = start_service(SIM_MODEL, served_model_name=None, **{
+        "router.replicas": 2, "prefill.num_cpus": 0.1, "decode.num_cpus": 0.1,
+        "sim.speed": 0.25})  # slower steps: streams long enough to be cut
+    yield controller, url
+    stop_service(controller)
+
+
+def status(controller) -> dict:
+    import ray
+
+    return ray.get(controller.status.remote(), timeout=60)
+
+
+def replicas(controller) -> dict:
+    import ray
+
+    return ray.get(controller.router_handles.remote(), timeout=60)
+
+
+def served(handles: dict) -> dict:
+    import ray
+
+    return {i: ray.get(h.requests_total.remote(), timeout=30) for i, h in handles.items()}
+
+
+def inflight(handle) -> int:
+    import ray
+
+    return ray.get(handle.observation_samples.remote(1.0), timeout=30)["inflight"]
+
+
+def complete_once(url: str) -> None:
+    status_code, body, _ = post(url + "/v1/completions", {"model": SIM_MODEL, "prompt": [5, 6, 7, 8],
+                                                          "max_tokens": 3, "ignore_eos": True})
+    assert status_code == 200 and body["usage"]["completion_tokens"] == 3, body
+
+
+def wait_for(what: str, check, timeout_s: float = 90.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.3)
+
+
+def test_both_replicas_serve_through_the_one_port(replicated):
+    controller, url = replicated
+    now = status(controller)
+    assert now["router"] == url and now["router_target"] == 2
+    routers = now["routers"]
+    assert [r["replica"] for r in routers] == [0, 1] and {r["state"] for r in routers} == {"ready"}
+    assert {r["address"] for r in routers} == {url} and len({r["pid"] for r in routers}) == 2
+    handles = replicas(controller)
+    before = served(handles)
+    for _ in range(24):  # urllib: a new connection each, which the kernel gives either replica
+        complete_once(url)
+    after = served(handles)
+    gained = {i: after[i] - before[i] for i in handles}
+    assert sum(gained.values()) == 24 and all(n > 0 for n in gained.values()), gained
+
+
+class Streams:
+    """Streaming requests, each on its own connection, run on a thread; records each outcome."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.outcomes: list[str] = []
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.futures = []
+
+    def open(self) -> None:
+        self.futures.append(asyncio.run_coroutine_threadsafe(self._one(), self.loop))
+
+    async def _one(self) -> str:
+        body = {"model": SIM_MODEL, "prompt": [11, 12, 13, 14, 15], "max_tokens": MAX_TOKENS, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        try:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session, \
+                    session.post(self.url + "/v1/completions", json=body,
+                                 timeout=aiohttp.ClientTimeout(total=120)) as response:
+                text = (await response.read()).decode()
+        except Exception as exc:  # noqa: BLE001 - the replica carrying it died
+            return f"cut: {type(exc).__name__}"
+        from tests.e2e.http import parse_sse
+
+        events, done = parse_sse(text)
+        if done and events and (events[-1].get("usage") or {}).get("completion_tokens") == MAX_TOKENS:
+            return "ok"
+        return f"incomplete: {text[-200:]!r}"
+
+    def results(self) -> list[str]:
+        out = [f.result(timeout=180) for f in self.futures]
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        return out
+
+
+def test_a_killed_replica_cuts_only_its_streams_and_is_replaced_alone(replicated):
+    import ray
+
+    controller, url = replicated
+    handles = replicas(controller)
+    pids = {r["replica"]: r["pid"] for r in status(controller)["routers"]}
+    streams = Streams(url)
+    for _ in range(6):
+        streams.open()
+    # until each replica carries some of the streams (the kernel hashes each connection)
+    deadline = time.monotonic() + 30
+    while min(inflight(h) for h in handles.values()) == 0:
+        assert time.monotonic() < deadline, "the streams never spread over both replicas"
+        if len(streams.futures) < 24:
+            streams.open()
+        time.sleep(0.2)
+    time.sleep(0.5)  # their first tokens are out
+    carried = {i: inflight(h) for i, h in handles.items()}
+    done_before = served(handles)
+    killed_at = time.time()
+    os.kill(pids[1], signal.SIGKILL)
+    outcomes = streams.results()
+    ok = outcomes.count("ok")
+    cut = [o for o in outcomes if o != "ok"]
+    # every stream the survivor carried completed, token for token; the dead one's ended
+    assert served({0: handles[0]})[0] - done_before[0] == ok, (outcomes, carried)
+    assert ok >= carried[0] and len(cut) >= 1, (outcomes, carried)
+    assert all(o.startswith(("cut", "incomplete")) for o in cut), outcomes
+
+    def replaced():
+        now = status(controller)
+        events = [(e["role"], e["event"]) for e in now["events"] if e["time"] >= killed_at]
+        routers = now["routers"]
+        ready = len(routers) == 2 and all(r["state"] == "ready" for r in routers)
+        return now if ready and ("router", "replaced") in events else None
+
+    now = wait_for("the controller replaced the dead replica", replaced)
+    died = [e for e in now["events"] if e["time"] >= killed_at and e["event"] == "died"]
+    assert [e["role"] for e in died] == ["router"] and f"{ROUTER_NAME}-1" in died[0]["detail"], died
+    new_pids = {r["replica"]: r["pid"] for r in now["routers"]}
+    assert new_pids[0] == pids[0] and new_pids[1] not in (pids[0], pids[1]), (pids, new_pids)
+    assert ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)._actor_id == handles[0]._actor_id  # replica 0 untouched
+    handles = replicas(controller)
+    before = served(handles)
+    for _ in range(16):
+        complete_once(url)
+    after = served(handles)
+    assert sum(after[i] - before[i] for i in handles) == 16 and after[1] > before[1], (before, after)
+
+
+def test_a_restarted_controller_re_adopts_every_replica(replicated):
+    import ray
+
+    controller, url = replicated
+    before = {r["replica"]: r["pid"] for r in status(controller)["routers"]}
+    killed_at = time.time()
+    ray.kill(controller, no_restart=False)  # a crash: Ray restarts it, and it re-adopts what runs
+
+    def restarted():
+        try:
+            now = status(controller)
+        except Exception:  # noqa: BLE001 - restarting
+            return None
+        events = [e for e in now["events"] if e["time"] >= killed_at and e["event"] == "controller_restarted"]
+        return now if events else None
+
+    now = wait_for("the controller is back", restarted)
+    assert {r["replica"]: r["pid"] for r in now["routers"]} == before and now["router_target"] == 2
+    assert "2 router replica(s)" in [e for e in now["events"] if e["event"] == "controller_restarted"][-1]["detail"]
+    complete_once(url)
+
+
+def test_scaling_to_one_router_leaves_one(replicated):
+    import ray
+
+    controller, url = replicated
+    assert ray.get(controller.scale.remote(routers=1), timeout=120)["routers"] == 1
+    now = status(controller)
+    assert [r["replica"] for r in now["routers"]] == [0] and now["router_target"] == 1
+    wait_for("replica 1's actor is gone", lambda: f"{ROUTER_NAME}-1" not in {
+        a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE})
+    for _ in range(5):
+        complete_once(url)
+    assert ray.get(controller.scale.remote(routers=2), timeout=120)["routers"] == 2
+    assert [r["replica"] for r in status(controller)["routers"]] == [0, 1]
+    complete_once(url)
