@@ -272,6 +272,11 @@ async def probes(url: str, addresses: list[str], until: float, gap_s: float) -> 
     stubs = [decode_stub(a, Security(TOKEN)) for a in addresses]
     routed, direct = [], []
     async with aiohttp.ClientSession() as session:
+        # not counted: each worker's first request and each channel's connection (a worker
+        # new to the pool answers its first request slowly, which is not the router's cost)
+        await router_ttft(session, url, [rng.randrange(3, 49152) for _ in range(32)])
+        for i, (_, stub) in enumerate(stubs):
+            await direct_ttft(stub, [rng.randrange(3, 49152) for _ in range(32)], f"warm-{i}")
         while time.monotonic() < until:
             prompt = [rng.randrange(3, 49152) for _ in range(32)]
             routed.append(await router_ttft(session, url, prompt))

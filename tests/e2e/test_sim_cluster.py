@@ -87,7 +87,8 @@ def test_sixteen_workers_serve_the_offline_tokens_and_ship_kv_of_the_real_size(s
 
     answers = asyncio.run(all_at_once())
     assert [a["choices"][0]["token_ids"] for a in answers] == expected
-    assert all(a["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 for a in answers)
+    cached = [(i, a["usage"]) for i, a in enumerate(answers) if a["usage"]["prompt_tokens_details"]["cached_tokens"]]
+    assert not cached, f"random prompts found cached: {cached}"
     now = status(controller)
     served = [w["stats"]["num_finished"] for w in now["pools"]["decode"]["workers"]]
     assert all(served) and sum(served) >= len(prompts), f"every decode worker served: {served}"
