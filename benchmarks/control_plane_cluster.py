@@ -272,11 +272,6 @@ async def probes(url: str, addresses: list[str], until: float, gap_s: float) -> 
     stubs = [decode_stub(a, Security(TOKEN)) for a in addresses]
     routed, direct = [], []
     async with aiohttp.ClientSession() as session:
-        # not counted: each worker's first request and each channel's connection (a worker
-        # new to the pool answers its first request slowly, which is not the router's cost)
-        await router_ttft(session, url, [rng.randrange(3, 49152) for _ in range(32)])
-        for i, (_, stub) in enumerate(stubs):
-            await direct_ttft(stub, [rng.randrange(3, 49152) for _ in range(32)], f"warm-{i}")
         while time.monotonic() < until:
             prompt = [rng.randrange(3, 49152) for _ in range(32)]
             routed.append(await router_ttft(session, url, prompt))
@@ -289,10 +284,28 @@ async def probes(url: str, addresses: list[str], until: float, gap_s: float) -> 
             "added_ttft_p50_ms": 1e3 * (statistics.median(routed) - statistics.median(direct))}
 
 
+async def first_requests(addresses: list[str]) -> list[float]:
+    """Seconds to the first chunk of each decode worker's first request (straight to it): a
+    worker new to the pool answers its first request slowly (lazy initialisation), which is
+    the worker's cost, not the router's, so the probes come after these."""
+    from pdserve.rpc.security import Security
+    from pdserve.testkit.workers import decode_stub
+
+    rng, out = random.Random(3), []
+    for i, address in enumerate(addresses):
+        channel, stub = decode_stub(address, Security(TOKEN))
+        async with channel:
+            out.append(await direct_ttft(stub, [rng.randrange(3, 49152) for _ in range(32)], f"first-{i}"))
+    return out
+
+
 async def idle_probes(cluster: SimCluster, seconds: float) -> dict:
-    """The probes of `relay` with no other load: the TTFT the router adds by itself."""
+    """The probes of `relay` with no other load (each worker's first request done): the TTFT
+    the router adds by itself."""
     addresses = [w["address"] for w in cluster.decode_workers()]
-    return {"decode_workers": len(addresses), **await probes(cluster.url, addresses, time.monotonic() + seconds, 0.05)}
+    first = await first_requests(addresses)
+    return {"decode_workers": len(addresses), "first_request_ttft_ms": [round(1e3 * t, 1) for t in first],
+            **await probes(cluster.url, addresses, time.monotonic() + seconds, 0.05)}
 
 
 async def relay(cluster: SimCluster, concurrency: int, seconds: float, warm_s: float = 4.0) -> dict:

@@ -160,7 +160,8 @@ class LLMEngine:
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in use")
         vocab = self.vocab_size
-        ids = encode_prompt(self.tokenizer, prompt, vocab)
+        # token ids need no tokenizer (a simulated worker's is loaded only at its first use)
+        ids = encode_prompt(self.tokenizer if isinstance(prompt, str) else None, prompt, vocab)
         check_prompt_length(len(ids), self.max_model_len)
         bad_stop = [t for t in params.stop_token_ids if t >= vocab]
         if bad_stop:

@@ -144,3 +144,17 @@ def test_structured_output_loads_a_recorded_sim_engines_tokenizer(tmp_path, cach
     guide = engine._guides.new('{"type": "object", "properties": {"a": {"type": "integer"}}}')
     assert guide is not None and engine.loaded._tokenizer_source is None
     assert tokenizer_facts(engine.tokenizer) == tokenizer_facts(loader.load_tokenizer(model_dir))
+
+
+def test_a_recorded_sim_engine_serves_token_id_prompts_without_loading_its_tokenizer(tmp_path, cache, smollm2_dir):
+    """What its workers send: a worker's first request must not pay for the tokenizer."""
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.sampling_params import SamplingParams
+
+    model_dir = checkpoint(tmp_path / "model", smollm2_dir)
+    loaded(model_dir)  # recorded
+    engine = LLMEngine(EngineConfig(model="sim", sim={"like": str(model_dir)}, kv_cache_bytes=1 << 28))
+    engine.add_request("ids", list(range(5, 40)), SamplingParams(max_tokens=3, ignore_eos=True), detokenize=False)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.loaded._tokenizer_source is not None  # still not loaded
