@@ -288,16 +288,7 @@ def merge_observations(parts: list[dict], window_s: float, percentile: float = 9
     all of them and the percentiles are of every sample, not an average of percentiles; the
     latest 500 lengths and arrivals across replicas; open requests summed. The replicas share
     one host, so their monotonic clocks agree."""
-    from pdserve.engine import stats
-    from pdserve.router.state import FinishedRequest
+    from pdserve.router.state import FinishedRequest, summarize
 
     recent = sorted((FinishedRequest(*r) for part in parts for r in part["finished"]), key=lambda r: r.end)
-    ttft = [r.ttft_s for r in recent if r.ttft_s is not None]
-    tpot = [r.tpot_s for r in recent if r.tpot_s is not None]
-    prompt_tokens = sum(r.prompt_tokens for r in recent)
-    latest = recent[-500:]
-    return {"count": len(recent), "rate": len(recent) / window_s, "ttft_p": stats.percentile(ttft, percentile),
-            "tpot_p": stats.percentile(tpot, percentile),
-            "hit_rate": sum(r.cached_tokens for r in recent) / prompt_tokens if prompt_tokens else 0.0,
-            "lengths": [(r.prompt_tokens, max(1, r.completion_tokens), r.cached_tokens) for r in latest],
-            "arrivals": [r.arrival for r in latest], "inflight": sum(part["inflight"] for part in parts)}
+    return summarize(recent, window_s, percentile, sum(part["inflight"] for part in parts))

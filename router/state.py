@@ -54,16 +54,7 @@ class Router:
         rate, TTFT/TPOT percentiles, prefix-cache hit rate, and the latest 500 requests' lengths
         (prompt, completion, cached tokens) with their arrival times (monotonic seconds)."""
         now = time.monotonic()
-        recent = [r for r in self.finished if now - r.end <= window_s]
-        ttft = [r.ttft_s for r in recent if r.ttft_s is not None]
-        tpot = [r.tpot_s for r in recent if r.tpot_s is not None]
-        prompt_tokens = sum(r.prompt_tokens for r in recent)
-        latest = recent[-500:]
-        return {"count": len(recent), "rate": len(recent) / window_s, "ttft_p": stats.percentile(ttft, percentile),
-                "tpot_p": stats.percentile(tpot, percentile),
-                "hit_rate": sum(r.cached_tokens for r in recent) / prompt_tokens if prompt_tokens else 0.0,
-                "lengths": [(r.prompt_tokens, max(1, r.completion_tokens), r.cached_tokens) for r in latest],
-                "arrivals": [r.arrival for r in latest], "inflight": self.inflight}
+        return summarize([r for r in self.finished if now - r.end <= window_s], window_s, percentile, self.inflight)
 
     async def start(self) -> None:
         from pdserve.engine.model_source import resolve_model
@@ -99,3 +90,18 @@ class Router:
 
     def order_prefill(self, route: RouteRequest, decode: WorkerView) -> list[WorkerView]:
         return self.policy.order_prefill(self.registry.candidates("prefill"), route, decode)
+
+
+def summarize(recent: list[FinishedRequest], window_s: float, percentile: float, inflight: int) -> dict:
+    """`Router.observations`' answer from the requests that finished in the window (in the
+    order they ended) and the requests open now; also how the controller merges every router
+    replica's samples (cluster.actors.merge_observations)."""
+    ttft = [r.ttft_s for r in recent if r.ttft_s is not None]
+    tpot = [r.tpot_s for r in recent if r.tpot_s is not None]
+    prompt_tokens = sum(r.prompt_tokens for r in recent)
+    latest = recent[-500:]
+    return {"count": len(recent), "rate": len(recent) / window_s, "ttft_p": stats.percentile(ttft, percentile),
+            "tpot_p": stats.percentile(tpot, percentile),
+            "hit_rate": sum(r.cached_tokens for r in recent) / prompt_tokens if prompt_tokens else 0.0,
+            "lengths": [(r.prompt_tokens, max(1, r.completion_tokens), r.cached_tokens) for r in latest],
+            "arrivals": [r.arrival for r in latest], "inflight": inflight}
