@@ -56,8 +56,9 @@ class RoutingPolicy(ABC):
 
 
 def decode_busy(view: WorkerView) -> int:
-    """Requests on a decode worker: this router's open ones, or the worker's own count if larger."""
-    return max(view.open_requests, view.reported_busy)
+    """Requests on a decode worker: this router's open ones (counted as it opens and closes
+    them) plus the others' (router replicas', direct clients') by the worker's last report."""
+    return view.open_requests + view.others_busy
 
 
 def kv_free_fraction(view: WorkerView) -> float:
@@ -72,10 +73,10 @@ class LeastLoaded(RoutingPolicy):
     name = "least-loaded"
 
     def pick_decode(self, workers, request):
-        return min(workers, key=lambda v: (decode_busy(v), -kv_free_fraction(v), v.worker_id))
+        return min(workers, key=lambda v: (decode_busy(v), -kv_free_fraction(v), v.tiebreak, v.worker_id))
 
     def order_prefill(self, workers, request, decode):
-        return sorted(workers, key=lambda v: (v.queued_prefill_tokens, v.worker_id))
+        return sorted(workers, key=lambda v: (v.queued_prefill_tokens, v.tiebreak, v.worker_id))
 
 
 class RoundRobin(RoutingPolicy):
@@ -119,7 +120,7 @@ class CacheAware(RoutingPolicy):
         return self._decode_key(view, request, self._sessions.get(request.session))[0]
 
     def _decode_key(self, view: WorkerView, request: RouteRequest, sticky: str | None) -> tuple:
-        """(cost, open requests, -free KV fraction, id): what `pick_decode` minimises, with
+        """(cost, open requests, -free KV fraction, tie-break, id): what `pick_decode` minimises, with
         each load term computed once. `sticky`: the decode worker that served the request's
         session last (None: no session, or none remembered)."""
         busy, free = decode_busy(view), kv_free_fraction(view)
@@ -129,7 +130,7 @@ class CacheAware(RoutingPolicy):
         queued = view.stats.queued_prefill_tokens if view.stats else 0
         cost = (request.num_tokens - cached + queued + self.weights.request_tokens * busy
                 + self.weights.kv_tokens * (1 - free))
-        return cost, busy, -free, view.worker_id
+        return cost, busy, -free, view.tiebreak, view.worker_id
 
     def pick_decode(self, workers, request):
         sticky = self._sessions.get(request.session) if request.session is not None else None
@@ -146,7 +147,7 @@ class CacheAware(RoutingPolicy):
         # worker's cached blocks spare the shipping, not the computing: later tokens attend
         # to them), so its cost is what it lacks plus its queue.
         return sorted(workers, key=lambda v: (request.num_tokens - request.cached_on(v) + v.queued_prefill_tokens,
-                                              v.worker_id))
+                                              v.tiebreak, v.worker_id))
 
 
 POLICIES = {cls.name: cls for cls in (CacheAware, LeastLoaded, RoundRobin)}

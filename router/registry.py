@@ -18,7 +18,9 @@ whole cache.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -48,15 +50,16 @@ class WorkerView:
     stub: object
     stats: pb.WorkerStats | None = None
     inflight: int = 0  # requests this router has open on the worker
-    closed: int = 0  # requests this router has closed on the worker, ever
-    closed_before_stats: int = 0  # `closed` when the update before the current `stats` came
-    update_closed: int = 0  # `closed` when the last update came
+    inflight_peak: int = 0  # the most `inflight` was since the last update came
+    peak_before: int = 0  # ... in the interval before that
+    own_at_report: int = 0  # the most this router may have had open when the last report was taken
     routed: dict[str, float] = field(default_factory=dict)  # picked, stream not yet opened: id -> when
     inflight_tokens: int = 0  # prompt tokens this router sent it (prefill) not yet prefilled
     unhealthy_until: float = 0.0
     heard_at: float = field(default_factory=time.monotonic)  # its last update (or when it joined)
     caches: bool | None = None  # has a prefix cache (None: not asked yet)
     node: str = ""  # the address of the node it runs on, as the controller reports it
+    tiebreak: int = 0  # orders workers a policy finds equal: each router its own order (WorkerRegistry)
     watch: asyncio.Task | None = None  # following its update stream
 
     @property
@@ -75,21 +78,30 @@ class WorkerView:
     def note_opened(self, request_id: str) -> None:
         self.routed.pop(request_id, None)
         self.inflight += 1
+        self.inflight_peak = max(self.inflight_peak, self.inflight)
 
     def note_closed(self) -> None:
         self.inflight -= 1
-        self.closed += 1
+
+    def note_report(self, stats: pb.WorkerStats) -> None:
+        """A new report of the worker's load came. It was taken after the update before it
+        came, so this router's share of it is at most the most it had open since then."""
+        self.stats = stats
+        self.own_at_report = max(self.peak_before, self.inflight_peak)
+        self.peak_before, self.inflight_peak = self.inflight_peak, self.inflight
 
     @property
-    def reported_busy(self) -> int:
-        """Requests on the worker by its last report, less those this router closed since the
-        update before it came (the report was taken after that; a chat client's next turn
-        comes the moment the last one ends: a report from before then must not make the
-        worker look busy)."""
+    def others_busy(self) -> int:
+        """Requests on the worker that this router did not send (other router replicas',
+        direct clients'), by its last report: its count less the most this router may have
+        had open when it was taken. Never more than the truth then: a request this router
+        closed meanwhile is not mistaken for another's (a chat client's next turn comes the
+        moment the last one ends), at the price of missing others' requests while this
+        router's own count was higher."""
         s = self.stats
         if s is None:
             return 0
-        return max(0, s.num_running + s.num_waiting + s.num_waiting_for_kv - (self.closed - self.closed_before_stats))
+        return max(0, s.num_running + s.num_waiting + s.num_waiting_for_kv - self.own_at_report)
 
     @property
     def open_requests(self) -> int:
@@ -110,6 +122,11 @@ class WorkerView:
         return self.state == "ready" and time.monotonic() >= self.unhealthy_until and not self.silent
 
 
+def tiebreak(salt: bytes, worker_id: str) -> int:
+    """A worker's place among equals in the order `salt` (one router's) gives them."""
+    return int.from_bytes(hashlib.blake2b(worker_id.encode(), key=salt, digest_size=8).digest())
+
+
 @dataclass
 class ModelInfo:
     max_model_len: int = 0
@@ -127,6 +144,9 @@ class WorkerRegistry:
         self.model = ModelInfo()
         self._tasks: list[asyncio.Task] = []
         self.resyncs = 0  # cache deltas that did not follow the index's cursor (events missed)
+        # Each router orders equally good workers its own way: router replicas that see the
+        # same idle pool must not all send their next request to the same worker.
+        self._tiebreak_salt = os.urandom(8)
 
     async def start(self) -> None:
         await self.refresh()
@@ -166,7 +186,8 @@ class WorkerRegistry:
             if view is None:
                 channel = open_channel(m["address"], self.security)
                 stub_class = pb_grpc.DecodeWorkerStub if m["role"] == "decode" else pb_grpc.PrefillWorkerStub
-                view = WorkerView(m["role"], m["worker_id"], m["address"], m["state"], channel, stub_class(channel))
+                view = WorkerView(m["role"], m["worker_id"], m["address"], m["state"], channel, stub_class(channel),
+                                  tiebreak=tiebreak(self._tiebreak_salt, m["worker_id"]))
                 self._views[m["worker_id"]] = view
                 view.watch = asyncio.get_running_loop().create_task(self._watch(view), name=f"watch-{view.worker_id}")
                 logger.info("worker joined role=%s id=%s address=%s", view.role, view.worker_id, view.address)
@@ -232,7 +253,7 @@ class WorkerRegistry:
         the index's cursor (events were missed): the index forgets the worker's cursor, and
         the caller resubscribes for the whole cache."""
         view.heard_at = time.monotonic()
-        view.stats, view.closed_before_stats, view.update_closed = update.stats, view.update_closed, view.closed
+        view.note_report(update.stats)
         if update.stalled:
             self.mark_unhealthy(view)
         if update.HasField("cache") and view.worker_id in self._views:

@@ -2,7 +2,8 @@
 network: deltas that follow the index's cursor apply; a dropped update (a delta following
 another cursor) is detected, counted, and the worker's cursor drops to 0 so the resubscription
 gets the whole cache, which then replaces what the index held; a report counts the requests
-this router closed since the update before it came as gone."""
+this router closed since the update before it came as gone, and the rest of
+its count as other routers' requests."""
 
 from __future__ import annotations
 
@@ -72,10 +73,18 @@ def test_a_silent_worker_is_tried_only_when_no_other_is_routable():
 
 def test_a_report_counts_the_requests_closed_since_the_update_before_it_as_gone():
     registry, view = registry_with_one_worker()
+    view.note_opened("a")
+    view.note_opened("b")
     registry.apply(view, update(1, 0, 0, running=2))
     view.note_closed()  # closed after update 1 came: update 2 may predate the close
     registry.apply(view, update(2, 0, 0, running=2))
-    assert view.reported_busy == 1
+    assert view.others_busy == 0 and view.open_requests == 1
     registry.apply(view, update(3, 0, 0, running=1))  # taken after the close
-    assert view.reported_busy == 1
+    assert view.others_busy == 0 and view.open_requests == 1
 
+
+def test_a_report_counts_requests_another_router_sent_as_theirs():
+    registry, view = registry_with_one_worker()
+    view.note_opened("a")
+    registry.apply(view, update(1, 0, 0, running=3))  # two of them are another replica's
+    assert view.others_busy == 2 and view.open_requests == 1

@@ -90,19 +90,48 @@ def test_policies_by_name():
 
 
 def test_a_chat_turn_right_after_the_last_one_ended_stays_despite_a_stale_report():
-    """The worker's last report (asked before the previous turn ended) still counts that turn;
+    """The worker's last report (taken before the previous turn ended) still counts that turn;
     the router closed it since, so the worker is idle and the conversation's cache wins."""
     policy = CacheAware(CacheAwareWeights(request_tokens=256, kv_tokens=0))
-    a, b = view("a", running=1), view("b")
+    a, b = view("a"), view("b")
     a.note_opened("turn-1")
-    a.closed_before_stats = a.closed  # the report on `a` was asked for while turn 1 ran
+    a.note_report(pb.WorkerStats(worker_id="a", num_running=1))  # taken while turn 1 ran
     route = RouteRequest(200, matched={"a": 128})  # 128 cached tokens: half an open request
-    assert policy.pick_decode([a, b], route) is b  # turn 1 still running: b is the better bet
-    a.note_closed()  # turn 1 ends; the next Stats poll has not come back yet
+    assert decode_busy(a) == 1 and policy.pick_decode([a, b], route) is b  # turn 1 runs: b is the better bet
+    a.note_closed()  # turn 1 ends
     assert policy.pick_decode([a, b], route) is a
-    a.closed_before_stats = a.closed  # a later report counts on its own
-    a.stats.num_running = 0
-    assert policy.pick_decode([a, b], route) is a
+    a.note_report(pb.WorkerStats(worker_id="a", num_running=1))  # taken before the close, came after it
+    assert decode_busy(a) == 0 and policy.pick_decode([a, b], route) is a
+    a.note_report(pb.WorkerStats(worker_id="a", num_running=0))
+    assert decode_busy(a) == 0 and policy.pick_decode([a, b], route) is a
+
+
+def test_router_replicas_count_their_own_requests_and_learn_the_others_from_reports():
+    """Two routers' views of one worker: each counts its own open requests at once, and the
+    other's once a report shows them; a request the other closed leaves with the next report."""
+    mine, theirs = view("w"), view("w")
+    mine.note_opened("m1")
+    theirs.note_opened("t1")
+    theirs.note_opened("t2")
+    assert decode_busy(mine) == 1 and decode_busy(theirs) == 2  # no report yet: each knows only its own
+    report = pb.WorkerStats(worker_id="w", num_running=3)
+    mine.note_report(report)
+    theirs.note_report(report)
+    assert decode_busy(mine) == 3 and decode_busy(theirs) == 3  # the same worker, the same count
+    mine.note_opened("m2")  # a request the other router will learn of from the next report
+    assert decode_busy(mine) == 4 and decode_busy(theirs) == 3
+    theirs.note_closed()
+    after = pb.WorkerStats(worker_id="w", num_running=3)  # m1, m2, t1
+    mine.note_report(after)
+    theirs.note_report(after)
+    assert decode_busy(mine) == 3
+    # `theirs` had 2 open while this report may have been taken: it cannot tell its closed
+    # request from one of mine yet, and counts low (never high) for the next report too
+    assert decode_busy(theirs) == 2
+    theirs.note_report(after)
+    assert decode_busy(theirs) == 2
+    theirs.note_report(after)
+    assert decode_busy(theirs) == 3
 
 
 def _old_pick(policy: CacheAware, workers, request):
@@ -129,3 +158,25 @@ def test_cache_aware_picks_as_it_did_before_its_load_terms_were_computed_once(lo
     for _ in range(3):  # sessions stick after the first pick
         expected = _old_pick(policy, workers, route)
         assert policy.pick_decode(workers, route) is expected
+
+
+def test_equally_good_workers_are_ordered_by_each_routers_own_tiebreak():
+    """Router replicas looking at the same idle pool must not all pick the same worker: each
+    registry salts its views' tie-breaks differently, and the policies order ties by them."""
+    from pdserve.router.registry import WorkerRegistry, tiebreak
+    from pdserve.rpc.security import Security
+
+    def order(salt: bytes) -> list[str]:
+        views = [view(f"d{i}") for i in range(8)]
+        for v in views:
+            v.tiebreak = tiebreak(salt, v.worker_id)
+        route = RouteRequest(100)
+        return [CacheAware().pick_decode(views, route).worker_id, LeastLoaded().pick_decode(views, route).worker_id]
+
+    async def nobody() -> list[dict]:
+        return []
+
+    assert len({WorkerRegistry(nobody, Security("u" * 32))._tiebreak_salt for _ in range(4)}) == 4
+    picks = [order(salt) for salt in (b"replica-0", b"replica-1", b"replica-2", b"replica-3")]
+    assert all(a == b for a, b in picks)  # both policies follow the tie-break
+    assert len({a for a, _ in picks}) > 1
