@@ -208,7 +208,7 @@ async def _client(session, url: str, counts: _Counts, window: list[float], seed:
             counts.requests += 1
 
 
-def _run_clients(url: str, concurrency: int, warm_s: float, seconds: float, prompt_len: int, max_tokens: int,
+def run_clients(url: str, concurrency: int, warm_s: float, seconds: float, prompt_len: int, max_tokens: int,
                  vocab: int, out) -> None:
     """The load generator process's body: puts its window (monotonic times) on `out` once it
     is ready, then its counts when every client has stopped."""
@@ -284,7 +284,7 @@ class _Rig:
         import psutil
 
         out = self.ctx.Queue()
-        client = self.ctx.Process(target=_run_clients, args=(self.url, concurrency, warm_s, seconds, prompt_len,
+        client = self.ctx.Process(target=run_clients, args=(self.url, concurrency, warm_s, seconds, prompt_len,
                                                               max_tokens, 49152, out))
         client.start()
         try:

@@ -187,10 +187,13 @@ class RouterActor:
         self._memo: dict = {}  # the controller's decisions (targets, pins), kept here to outlive it
 
     async def start(self, config: RouterConfig, controller_name: str, namespace: str) -> str:
+        """Serve `config` (a null `host`: this node's address); returns the replica's URL."""
         import ray
 
         from pdserve.router.server import make_server
 
+        if config.host is None:
+            config = config.model_copy(update={"host": ray.util.get_node_ip_address()})
         controller = ray.get_actor(controller_name, namespace=namespace)
 
         async def members() -> list[dict]:
@@ -216,17 +219,26 @@ class RouterActor:
         return self.url
 
     async def info(self) -> dict:
-        """Its URL, process and state (starting, ready, stopping): `status()`, and how a
+        """Its URL, process, node and state (starting, ready, stopping): `status()`, and how a
         restarted controller re-adopts it."""
+        import ray
+
         state = "stopping" if self.stopping else ("ready" if self.server is not None and self.server.started
                                                   else "starting")
-        return {"url": self.url, "pid": os.getpid(), "state": state}
+        return {"url": self.url, "pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(), "state": state}
 
     async def requests_total(self) -> int:
         """Requests this replica finished (every finish reason): its own `pdserve_requests_total`."""
         metrics = self.server.config.app.state.router.metrics
         return int(sum(sample.value for family in metrics.requests.collect() for sample in family.samples
                        if sample.name.endswith("_total")))
+
+    async def cpu_seconds(self) -> tuple[float, float]:
+        """(CPU seconds this process has used, every thread, `time.monotonic()`): two readings
+        give the cores it used between them (cluster.autoscaler.cpu_used), what the autoscaler
+        sizes the replicas by. process_time() counts in nanoseconds, unlike os.times()'
+        10 ms ticks, and answering this call itself uses some: an interval never reads 0."""
+        return time.process_time(), time.monotonic()
 
     async def remember(self, memo: dict) -> None:
         """Keep the controller's decisions, so that a restarted controller resumes them."""
@@ -239,18 +251,64 @@ class RouterActor:
         return self.server.router.routing_summary()
 
     async def _watch_autoscaler(self, controller) -> None:
-        """Mirror the controller's pools (target, pending) and autoscaler into /metrics."""
-        metrics = self.server.config.app.state.router.metrics
+        """Mirror the controller's pools (target, pending) and autoscaler into /metrics, and
+        keep its list of router replicas (`router_views`), which `replicas` asks: installed
+        as the app's `replicas` hook, so that this replica's /metrics and /dashboard show all."""
+        app = self.server.config.app
+        metrics = app.state.router.metrics
+        self.replica = app.state.router.config.replica or 0
+        self.routers: list[dict] = []  # the controller's router_views at its last answer
+        app.state.replicas = self.replicas
         while True:
             await asyncio.sleep(2.0)
             try:
                 pools = await asyncio.wait_for(controller.pools_summary.remote(), 10)
                 summary = await asyncio.wait_for(controller.autoscaler_summary.remote(), 10)
+                self.routers = await asyncio.wait_for(controller.router_views.remote(), 10)
             except Exception:  # noqa: BLE001 - the controller may be restarting
                 continue
             metrics.set_pools(pools)
             if summary is not None:
                 metrics.set_autoscaler(summary)
+
+    async def replica_report(self, window_s: float = 0.0) -> dict:
+        """This replica's `info()`, per-replica metric families (router.metrics), the
+        requests it finished in the last `window_s` seconds (FinishedRequest tuples) and its
+        `time.monotonic()` now, which their times are of: what another replica's /metrics
+        and /dashboard show of it."""
+        metrics = self.server.config.app.state.router.metrics
+        finished = (await self.observation_samples(window_s))["finished"]
+        return {"info": await self.info(), "families": metrics.replica_families(), "finished": finished,
+                "now": time.monotonic()}
+
+    async def replicas(self, window_s: float = 0.0, timeout_s: float = 1.0) -> list:
+        """Every router replica as a router.metrics.Replica: this one, read here, and each
+        other one the controller listed at its last answer, asked for its `replica_report`
+        (its address, pid and state as it reports them: the controller's list may be 2 s
+        old); one that does not answer within `timeout_s` comes as the controller listed it,
+        without families (a scrape does not wait on a hung replica). In replica order; the
+        finished requests' times moved onto this process's monotonic clock (a replica on
+        another node has its own)."""
+        from pdserve.router.metrics import Replica
+        from pdserve.router.state import FinishedRequest
+
+        info = await self.info()
+        me = {"replica": self.replica, "address": info["url"], "pid": info["pid"], "state": info["state"]}
+        views = sorted([me, *(v for v in self.routers if v["replica"] != self.replica)], key=lambda v: v["replica"])
+
+        async def report(view: dict) -> Replica:
+            try:
+                answer = await (self.replica_report(window_s) if view is me else
+                                asyncio.wait_for(view["handle"].replica_report.remote(window_s), timeout_s))
+            except Exception:  # noqa: BLE001 - dead, hung or still starting: shown as not answering
+                return Replica(view["replica"], view["address"], view["pid"], view["state"])
+            info = answer["info"]
+            shift = time.monotonic() - answer["now"]  # off by the call's latency at most
+            finished = [dataclasses.replace(f, end=f.end + shift, arrival=f.arrival + shift)
+                        for f in (FinishedRequest(*r) for r in answer["finished"])]
+            return Replica(view["replica"], info["url"], info["pid"], info["state"], answer["families"], finished)
+
+        return list(await asyncio.gather(*map(report, views)))
 
     async def observations(self, window_s: float, percentile: float = 90.0) -> dict:
         return self.server.config.app.state.router.observations(window_s, percentile)
@@ -259,11 +317,12 @@ class RouterActor:
         """The raw material of `observations` (router.state.Router.observations): this
         replica's finished requests of the last `window_s` seconds, oldest first, as
         FinishedRequest tuples, and its open requests. `merge_observations` combines the
-        replicas' into what one router would have observed."""
+        replicas' into what one router would have observed; `now` is this process's
+        `time.monotonic()`, which the times are of."""
         router = self.server.config.app.state.router
         now = time.monotonic()
         return {"finished": [dataclasses.astuple(r) for r in router.finished if now - r.end <= window_s],
-                "inflight": router.inflight}
+                "inflight": router.inflight, "now": now}
 
     async def stop(self, drain_s: float = 0.0) -> None:
         """Stop serving. With `drain_s` (a replica scaled away), first stop accepting
@@ -286,9 +345,17 @@ def merge_observations(parts: list[dict], window_s: float, percentile: float = 9
     """What the autoscaler reads (router.state.Router.observations' format) from every
     replica's `observation_samples`: their finished requests pooled, so that the rate counts
     all of them and the percentiles are of every sample, not an average of percentiles; the
-    latest 500 lengths and arrivals across replicas; open requests summed. The replicas share
-    one host, so their monotonic clocks agree."""
+    latest 500 lengths and arrivals across replicas; open requests summed. Each part's times
+    move onto the first part's clock by the parts' `now` (replicas on other nodes have
+    monotonic clocks of their own; the call's latency is the error)."""
     from pdserve.router.state import FinishedRequest, summarize
 
-    recent = sorted((FinishedRequest(*r) for part in parts for r in part["finished"]), key=lambda r: r.end)
+    reference = parts[0].get("now", 0.0) if parts else 0.0
+    recent = []
+    for part in parts:
+        shift = reference - part.get("now", reference)
+        for fields in part["finished"]:
+            r = FinishedRequest(*fields)
+            recent.append(dataclasses.replace(r, end=r.end + shift, arrival=r.arrival + shift))
+    recent.sort(key=lambda r: r.end)
     return summarize(recent, window_s, percentile, sum(part["inflight"] for part in parts))

@@ -9,6 +9,9 @@ plan instances per pool with the corrected profile; move each pool toward its pl
 up as soon as the cooldown since its last change has passed, down only once the plan
 has stayed lower for a whole cooldown (hysteresis). A pool an operator scaled by hand is
 left alone until the override is cleared. Pure decision logic: the controller applies it.
+
+The router replicas are sized apart, from their own CPU (`RouterSizer`): a router process
+tops out at about one core whatever the pools do.
 """
 
 from __future__ import annotations
@@ -132,3 +135,82 @@ def observed_work(observed: dict) -> list[SimRequest]:
         return sorted((SimRequest(t - start, *shape) for t, shape in zip(arrivals, lengths, strict=True)),
                       key=lambda r: r.arrival_s)
     return poisson(observed["rate"], 150, lengths, seed=7)
+
+
+def cpu_used(before: tuple[float, float], after: tuple[float, float]) -> float:
+    """Cores a process used between two of its (CPU seconds, monotonic seconds) readings
+    (RouterActor.cpu_seconds)."""
+    return (after[0] - before[0]) / max(after[1] - before[1], 1e-9)
+
+
+@dataclass
+class RouterDecision:
+    time: float
+    cpu: list[float]  # cores each measured replica used over the last interval
+    current: int
+    desired: int
+    action: int | None = None  # the new replica count, when it changes
+    reason: str = ""
+
+    def as_dict(self) -> dict:
+        return {"time": time.time(), "cpu": [round(c, 4) for c in self.cpu], "current": self.current,
+                "desired": self.desired, "action": self.action, "reason": self.reason}
+
+
+class RouterSizer:
+    """Sizes the router replicas from their CPU. One router process tops out at about one core
+    (~20k streamed tokens/s per router CPU-second), so the replicas' mean CPU use says whether
+    they keep up. Given the cores each replica used over the last interval and the count now:
+
+    - mean above `high`: one replica more, as soon as `cooldown_s` has passed since the last change;
+    - the replicas' total spread over one replica fewer below `low`: one fewer, once that has held
+      for a whole cooldown (hysteresis: with low < high, the replicas left do not read as busy);
+    - within `bounds` [min, max]; a count outside them is brought inside the same way.
+
+    Up by one, not by as many as would bring the mean to a target: a saturated replica reads
+    about one core however much load waits, so its reading cannot say how many more are needed
+    (and the kernel gives a new replica only new connections). Pure decision logic: the
+    controller reads the CPU and applies it."""
+
+    def __init__(self, bounds: tuple[int, int], high: float, low: float, cooldown_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.bounds, self.high, self.low, self.cooldown_s, self.clock = bounds, high, low, cooldown_s, clock
+        self.last_change = -math.inf
+        self.below_since: float | None = None  # since when the replicas wanted fewer
+
+    def decide(self, cpu: list[float], current: int, overridden: bool = False) -> RouterDecision:
+        """`cpu`: the cores each replica measured used over the last interval (unmeasured ones,
+        e.g. just started, are assumed to use the mean); `overridden`: an operator pinned the count."""
+        now = self.clock()
+        if overridden or not cpu:
+            return RouterDecision(now, cpu, current, current, None,
+                                  "operator override; holding" if overridden else "no CPU readings yet; holding")
+        mean = sum(cpu) / len(cpu)
+        fewer = mean * current / (current - 1) if current > 1 else math.inf
+        if mean > self.high:
+            want, why = current + 1, f"mean CPU {mean:.3f} cores above high {self.high:g}"
+        elif fewer < self.low:
+            want, why = current - 1, f"{current - 1} replica(s) would use {fewer:.3f} cores each, " \
+                                     f"below low {self.low:g}"
+        else:
+            want, why = current, f"mean CPU {mean:.3f} cores"
+        lowest, highest = self.bounds
+        desired = max(lowest, min(highest, want))
+        if desired != want:
+            why += f", bounds [{lowest}, {highest}]"
+        decision = RouterDecision(now, cpu, current, desired, None, why)
+        cooled = now - self.last_change >= self.cooldown_s
+        if desired > current:
+            self.below_since = None
+            decision.action = desired if cooled else None
+        elif desired < current:
+            self.below_since = now if self.below_since is None else self.below_since
+            decision.action = desired if cooled and now - self.below_since >= self.cooldown_s else None
+        else:
+            self.below_since = None
+        if decision.action is not None:
+            self.last_change, self.below_since = now, None
+            decision.reason += f": scaling to {decision.action}"
+        elif desired != current:
+            decision.reason += f": holding for the {self.cooldown_s:g} s cooldown"
+        return decision

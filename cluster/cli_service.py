@@ -320,8 +320,9 @@ def print_status(status: dict) -> None:
     if len(replicas) > 1 or status.get("router_target", 1) != 1:
         print(f"router replicas: target {status.get('router_target', len(replicas))}, {len(replicas)} running")
     for r in replicas:
+        node = f"  node {r['node']}" if r.get("node") else ""
         print(f"  router {r['replica']:<3} {r.get('name', ''):20} {r['address'] or '-':22} pid {r['pid'] or '-'!s:>7}  "
-              f"{r['state']}")
+              f"{r['state']}{node}")
     routing = status.get("routing") or {}
     index = routing.get("index", {})
     if routing:
@@ -370,7 +371,7 @@ def _scale(args) -> int:
     controller = _controller(args.address)
     if args.auto:
         _ask(lambda: controller.clear_override.remote())
-        print("both pools are back under the autoscaler")
+        print("both pools and the router replica count are back under the autoscaler")
         if args.prefill is None and args.decode is None and args.routers is None:
             return 0
     if args.prefill is None and args.decode is None and args.routers is None:

@@ -67,6 +67,34 @@ class TracingSpec(BaseModel):
                                       "like vLLM's --otlp-traces-endpoint; null: no tracing")
 
 
+class RouterScalingSpec(BaseModel):
+    """How the autoscaler sizes the router replicas from their CPU (cluster.autoscaler.RouterSizer).
+    One router process tops out at about one core, so the replicas' mean CPU says whether they keep up."""
+
+    model_config = ConfigDict(extra="forbid")
+    min_replicas: int = Field(1, ge=1, description="lower bound of the router replicas")
+    max_replicas: int | None = Field(None, ge=1, description="upper bound of the router replicas; null: fixed at "
+                                     "`router.replicas` (the autoscaler leaves the routers alone unless this is "
+                                     "above min_replicas). Replicas share their hosts' cores (all the head's "
+                                     "without `router.resources`): more than those cores buys nothing")
+    cpu_high: float = Field(0.7, gt=0, description="cores: one replica more when the replicas' mean CPU is above "
+                                                   "this (a router tops out at about 1)")
+    cpu_low: float = Field(0.35, gt=0, description="cores: one replica fewer once the replicas' CPU spread over "
+                                                   "one replica fewer stays below this for a whole cooldown")
+
+    @model_validator(mode="after")
+    def _low_below_high(self):
+        if self.cpu_low >= self.cpu_high:
+            raise ValueError(f"cpu_low ({self.cpu_low}) must be below cpu_high ({self.cpu_high}): the replicas "
+                             f"left after a scale-down would read as too busy")
+        return self
+
+    def bounds(self) -> tuple[int, int] | None:
+        """[min, max] of the replica count; None when it is fixed (max unset, or not above min)."""
+        ranged = self.max_replicas is not None and self.max_replicas > self.min_replicas
+        return (self.min_replicas, self.max_replicas) if ranged else None
+
+
 class AutoscalerSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     enabled: bool = False
@@ -78,6 +106,8 @@ class AutoscalerSpec(BaseModel):
     window_s: float = Field(30.0, gt=0, description="observations older than this are ignored")
     cooldown_s: float = Field(30.0, ge=0, description="least time between changes of one pool")
     min_samples: int = Field(5, ge=1)
+    routers: RouterScalingSpec = Field(default_factory=RouterScalingSpec,
+                                       description="the router replicas' bounds and CPU marks")
 
 
 class ServeConfig(WorkerSettings):
@@ -127,6 +157,21 @@ class ServeConfig(WorkerSettings):
         if self.autoscaler.enabled and not self.autoscaler.profile:
             raise ValueError("autoscaler.profile is required when autoscaler.enabled (run `pdserve profile`)")
         return self
+
+    @model_validator(mode="after")
+    def _router_replicas_within_bounds(self):
+        scaling, replicas = self.autoscaler.routers, self.router.replicas
+        if not scaling.min_replicas <= replicas <= (scaling.max_replicas or replicas):
+            raise ValueError(f"router.replicas ({replicas}) must be within autoscaler.routers' min_replicas "
+                             f"({scaling.min_replicas}) and max_replicas ({scaling.max_replicas})")
+        if self.router_bounds() and self.router.port == 0:
+            raise ValueError("autoscaled router replicas share one port: give router.port other than 0")
+        return self
+
+    def router_bounds(self) -> tuple[int, int] | None:
+        """[min, max] the autoscaler keeps the router replicas in; None when it leaves their
+        count alone (autoscaler off, or `autoscaler.routers` fixes it)."""
+        return self.autoscaler.routers.bounds() if self.autoscaler.enabled else None
 
     @property
     def name(self) -> str:

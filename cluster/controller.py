@@ -16,9 +16,14 @@ themselves (so nothing races the router's view), finish what they hold, and are 
 once their stats show nothing open.
 
 The router is `router.replicas` RouterActors on the head node, all serving one host:port
-(SO_REUSEPORT): replica 0 is named ROUTER_NAME, replica i `ROUTER_NAME-i`. The health loop
+(SO_REUSEPORT), or, with `router.resources`, each on a node offering them (deploy/nodes.yaml
+labels them `router`; `router.host: null`: on its node's address, behind a load balancer). A
+replica no node has room for fails its start after _ROUTER_PLACED_WITHIN_S, naming the
+resources; the health loop retries a missing one, so it starts once a node with room joins.
+Replica 0 is named ROUTER_NAME, replica i `ROUTER_NAME-i`. The health loop
 pings each and replaces a dead one alone; `scale(routers=N)` starts replicas or stops the
-highest-numbered ones (each finishing its open requests first). Routing state needs no
+highest-numbered ones (each finishing its open requests first); with the autoscaler on and
+`autoscaler.routers` giving a range, their CPU sizes them (`_autoscale_routers`). Routing state needs no
 sharing: every replica follows every worker's updates itself.
 
 Workers and router replicas are detached, named actors: they do not share the controller's
@@ -56,8 +61,13 @@ CONTROLLER_NAME = "pdserve-controller"
 
 _MAX_START_FAILURES = 3
 # The controller and the router live on the head node (with the GCS): a worker node's loss
-# must never take them, and Ray can pin an actor there by the head's own resource.
+# must never take them, and Ray can pin an actor there by the head's own resource. Router
+# replicas that `router.resources` places elsewhere are replaced by the health loop instead.
 ON_HEAD = {"node:__internal_head__": 0.001}
+# A router replica whose actor Ray has not created by then has no node with room: its start
+# fails (an operator's `pdserve up` or scale gets the reason). Creating one takes a process
+# start, a few seconds on a loaded host; the health loop retries a missing replica.
+_ROUTER_PLACED_WITHIN_S = 30.0
 _PLACED_WITHIN_S = 5.0  # an actor not created by then waits for a node with room: `pending`
 
 
@@ -78,6 +88,9 @@ class Controller(Recovery):
         self.manual: set[str] = set()  # pools an operator sized by hand: the autoscaler leaves them alone
         self.decisions: deque[dict] = deque(maxlen=50)
         self.autoscaler = self._make_autoscaler()
+        self.router_sizer = self._make_router_sizer()  # None: the router replica count is fixed
+        self.router_decisions: deque[dict] = deque(maxlen=50)
+        self._router_cpu: dict[tuple[int, int], tuple[float, float]] = {}  # (replica, pid) -> last reading
         self._autoscale_task: asyncio.Task | None = None
         # Ray restarted this actor after it died: re-adopt what runs, at the first call
         self._restarted = ray.get_runtime_context().was_current_actor_reconstructed
@@ -87,6 +100,10 @@ class Controller(Recovery):
     async def start(self) -> str:
         """Start the pools and the router replicas; returns the router's URL once workers
         and every replica are ready."""
+        if not self.config.router.resources:  # the replicas bind the head's port, shared: nothing else may hold it
+            from pdserve.router.server import ensure_port_free
+
+            ensure_port_free(self.config.router.host or ray.util.get_node_ip_address(), self.config.router.port)
         self._reconcile()
         await self._wait_ready(include_pending=True)
         failures = await self._reconcile_routers()
@@ -104,24 +121,40 @@ class Controller(Recovery):
             self._autoscale_task = loop.create_task(self._autoscale_loop())
 
     async def _start_router(self, replica: int) -> RouterRecord:
-        """Start router replica `replica`; raises (and kills it) when it does not start."""
+        """Start router replica `replica` on the head node, or on a node offering
+        `router.resources`; raises (and kills it) when it does not start, or when no node has
+        room for it within _ROUTER_PLACED_WITHIN_S (a RuntimeError naming the resources)."""
+        needs = dict(self.config.router.resources) or ON_HEAD
         handle = ray.remote(RouterActor).options(
-            name=router_name(replica), namespace=NAMESPACE, num_cpus=0, lifetime="detached", resources=ON_HEAD,
+            name=router_name(replica), namespace=NAMESPACE, num_cpus=0, lifetime="detached", resources=needs,
             runtime_env={"env_vars": dict(self.config.env)}).remote()
         record = RouterRecord(replica, handle)
         self.routers[replica] = record
         try:
-            url = await handle.start.remote(self.config.router_config(), CONTROLLER_NAME, NAMESPACE)
+            await self._router_placed(record, needs)
+            config = self.config.router_config().model_copy(update={"replica": replica})
+            await handle.start.remote(config, CONTROLLER_NAME, NAMESPACE)
             info = await asyncio.wait_for(handle.info.remote(), 10)
         except BaseException:
             if self.routers.get(replica) is record:
                 del self.routers[replica]
             ray.kill(handle, no_restart=True)
             raise
-        record.url, record.pid, record.state = url, info["pid"], "ready"
-        self.router_url = url
+        record.learn(info)
+        self._take_router_url(record)
         self._remember()
         return record
+
+    @staticmethod
+    async def _router_placed(r: RouterRecord, needs: dict) -> None:
+        """Wait until Ray has created replica `r`'s actor; RuntimeError naming the resources it
+        `needs` when no node had room for it within _ROUTER_PLACED_WITHIN_S."""
+        try:
+            await asyncio.wait_for(r.handle.__ray_ready__.remote(), _ROUTER_PLACED_WITHIN_S)
+        except TimeoutError:
+            raise RuntimeError(f"router replica {r.replica}: no node offers {needs} with room (waited "
+                               f"{_ROUTER_PLACED_WITHIN_S:g}s): label a node `router` in deploy/nodes.yaml, "
+                               f"one replica per unit") from None
 
     async def _stop_router(self, r: RouterRecord, drain_s: float = 0.0) -> None:
         """Stop a replica gracefully (with `drain_s`: it stops accepting, then finishes what it
@@ -193,7 +226,7 @@ class Controller(Recovery):
                                              "num_threads": w.num_threads, "stats": s})
         spec = self.config.autoscaler
         autoscaler = {"enabled": self.autoscaler is not None, "overridden": sorted(self.manual),
-                      "decisions": list(self.decisions)[-5:],
+                      "decisions": list(self.decisions)[-5:], "router_decisions": list(self.router_decisions)[-5:],
                       "slo": {"ttft_s": spec.ttft_slo_s, "tpot_s": spec.tpot_slo_s, "percentile": spec.percentile}}
         # replica 0's view (each replica's cache index and load counts are its own, built from
         # the same worker updates; its counts of requests are of the requests it routed)
@@ -222,6 +255,13 @@ class Controller(Recovery):
         await self._recover()
         return {i: r.handle for i, r in sorted(self.routers.items())}
 
+    async def router_views(self) -> list[dict]:
+        """Each router replica's `RouterRecord.view()` with its actor handle under "handle",
+        in replica order: how the replicas find each other for /metrics and /dashboard
+        (cheap, unlike `status`, which asks every worker)."""
+        await self._recover()
+        return [{**r.view(), "handle": r.handle} for _, r in sorted(self.routers.items())]
+
     async def handle_of(self, worker_id: str):
         """The actor handle of a worker (operators and tests: e.g. to kill one)."""
         await self._recover()
@@ -235,11 +275,14 @@ class Controller(Recovery):
                     manual: bool = True, routers: int | None = None) -> dict:
         """Set pool sizes and/or the number of router replicas; with `wait`, return once new
         workers and replicas serve and drained ones stopped. A manual scale (operators) pins
-        the pool against the autoscaler until `clear_override`. Returns the pools' targets,
+        the pool, or the router count, against the autoscaler until `clear_override`. Returns the pools' targets,
         and `routers` when it was given."""
         await self._recover()
         if routers is not None and routers < 1:
             raise ValueError(f"router replicas must be >= 1, got {routers}")
+        if routers is not None and routers > 1 and self.config.router.port == 0:
+            raise ValueError("router replicas share one port: this service's router.port is 0 (each replica would "
+                             "get its own); restart it with a fixed router.port")
         for role, n in (("prefill", prefill), ("decode", decode)):
             if n is None:
                 continue
@@ -250,11 +293,7 @@ class Controller(Recovery):
             if manual:
                 self.manual.add(role)
             self._event(role, "scale" if manual else "autoscale", f"target {n}")
-        routers_changed = None
-        if routers is not None:
-            self.router_target = routers
-            self._event("router", "scale", f"target {routers} replica(s)")
-            routers_changed = asyncio.get_running_loop().create_task(self._scale_routers())
+        routers_changed = None if routers is None else self._retarget_routers(routers, manual)
         self._remember()
         self._reconcile()
         if wait:
@@ -289,7 +328,7 @@ class Controller(Recovery):
         return w.member()
 
     async def clear_override(self) -> None:
-        """Hand every pool back to the autoscaler."""
+        """Hand every pool, and the router replica count, back to the autoscaler."""
         await self._recover()
         self.manual.clear()
         self._remember()
@@ -314,6 +353,8 @@ class Controller(Recovery):
         spec = self.config.autoscaler
         while True:
             await asyncio.sleep(spec.interval_s)
+            if self.router_sizer is not None:
+                await self._autoscale_routers()  # never raises: the pools are decided regardless
             try:
                 observed = await self._observations(spec.window_s, spec.percentile)
                 current = dict(self.targets)
@@ -329,6 +370,64 @@ class Controller(Recovery):
                         current, decision.desired, decision.action, decision.correction, entry["observed"])
             if decision.action:
                 await self.scale(**decision.action, wait=False, manual=False)
+
+    def _make_router_sizer(self):
+        """The router replicas' sizer, or None when autoscaling is off or their count is fixed
+        (`autoscaler.routers.max_replicas` not above `min_replicas`)."""
+        spec, bounds = self.config.autoscaler, self.config.router_bounds()
+        if bounds is None:
+            return None
+        from pdserve.cluster.autoscaler import RouterSizer
+
+        return RouterSizer(bounds, spec.routers.cpu_high, spec.routers.cpu_low, spec.cooldown_s)
+
+    async def _autoscale_routers(self) -> None:
+        """One router sizing: read each ready replica's CPU, decide (kept in `router_decisions`,
+        shown by status), and apply it like an operator's `scale(routers=...)` but unpinned, the
+        reason in the event. An operator's pin ("router" in `manual`) holds the count. Errors
+        become `autoscale_error` events."""
+        try:
+            cpu = await self._router_cpu_used()
+            current = self.router_target
+            decision = self.router_sizer.decide(cpu, current, "router" in self.manual)
+        except Exception as exc:  # noqa: BLE001 - keep deciding next interval
+            self._event("router", "autoscale_error", str(exc)[:200])
+            return
+        self.router_decisions.append(decision.as_dict())
+        logger.info("router autoscale decision current=%d cpu=%s action=%s: %s", current, decision.cpu,
+                    decision.action, decision.reason)
+        if decision.action is not None:
+            self._retarget_routers(decision.action, manual=False, why=decision.reason)
+            self._remember()
+
+    async def _router_cpu_used(self) -> list[float]:
+        """The cores each ready replica used since this method last read it; a replica read for
+        the first time (new, or a new process) or that does not answer is left out."""
+        from pdserve.cluster.autoscaler import cpu_used
+
+        ready = [r for r in self.routers.values() if r.state == "ready"]
+        readings = await asyncio.gather(*(asyncio.wait_for(r.handle.cpu_seconds.remote(), 10) for r in ready),
+                                        return_exceptions=True)
+        previous, self._router_cpu = self._router_cpu, {}
+        used = []
+        for r, reading in zip(ready, readings, strict=True):
+            if isinstance(reading, BaseException):
+                continue
+            key = (r.replica, r.pid)
+            self._router_cpu[key] = reading
+            if key in previous:
+                used.append(cpu_used(previous[key], reading))
+        return used
+
+    def _retarget_routers(self, n: int, manual: bool, why: str = "") -> asyncio.Task:
+        """Set the router replica target and start reconciling toward it (the task returns the
+        start failures); `manual` (an operator's) pins it against the autoscaler."""
+        self.router_target = n
+        if manual:
+            self.manual.add("router")
+        self._event("router", "scale" if manual else "autoscale",
+                    f"target {n} replica(s)" + (f": {why}" if why else ""))
+        return asyncio.get_running_loop().create_task(self._scale_routers())
 
     async def _observations(self, window_s: float, percentile: float) -> dict:
         """What every ready router replica observed, merged (each replica sees only the

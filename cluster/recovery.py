@@ -37,20 +37,27 @@ def router_replica(name: str) -> int | None:
 
 @dataclass
 class RouterRecord:
-    """One router replica: a detached actor named `router_name(replica)` on the head node."""
+    """One router replica: a detached actor named `router_name(replica)`, on the head node or
+    on a node offering `router.resources`."""
 
     replica: int
     handle: object
     url: str = ""
     pid: int = 0
     state: str = "starting"  # starting, ready, stopping
+    node_ip: str = ""  # the Ray node it runs on
 
     @property
     def name(self) -> str:
         return router_name(self.replica)
 
     def view(self) -> dict:
-        return {"replica": self.replica, "name": self.name, "address": self.url, "pid": self.pid, "state": self.state}
+        return {"replica": self.replica, "name": self.name, "address": self.url, "pid": self.pid,
+                "node": self.node_ip, "state": self.state}
+
+    def learn(self, info: dict) -> None:
+        """Take what the serving replica reported (RouterActor.info): it is ready."""
+        self.url, self.pid, self.node_ip, self.state = info["url"], info["pid"], info["node_ip"], "ready"
 
 
 @dataclass
@@ -129,10 +136,17 @@ class Recovery:
             except Exception:  # noqa: BLE001 - already gone
                 pass
             return None, {}
-        record = RouterRecord(replica, handle, info["url"], info["pid"], "ready")
+        record = RouterRecord(replica, handle)
+        record.learn(info)
         self.routers[replica] = record
-        self.router_url = self.router_url or record.url
+        self._take_router_url(record)
         return record, memo
+
+    def _take_router_url(self, r: RouterRecord) -> None:
+        """`router_url` (what `pdserve up` prints) is replica 0's URL; another replica's only
+        until replica 0 reports (replicas on several nodes each have their own: status lists all)."""
+        if r.replica == 0 or not self.router_url:
+            self.router_url = r.url
 
     async def _adopt_worker(self, name: str) -> WorkerRecord | None:
         try:

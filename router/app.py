@@ -38,6 +38,11 @@ _CHOICE_SEEDS = random.SystemRandom()  # base seeds of n > 1 requests that broug
 
 
 def build_app(router: Router) -> FastAPI:
+    """The router's app. `app.state.replicas` is None in a bare router; among router replicas
+    the RouterActor sets it to an async callable, `(window_s=0.0) -> list[router.metrics.Replica]`
+    (every replica, this one included, with its requests finished in the last `window_s`),
+    through which /metrics and /dashboard show every replica."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await router.start()
@@ -46,6 +51,7 @@ def build_app(router: Router) -> FastAPI:
 
     app = FastAPI(title="pdserve", version="0.1.0", lifespan=lifespan)
     app.state.router = router
+    app.state.replicas = None
     config = router.config
     if config.api_keys:
         app.add_middleware(APIKeyMiddleware, keys=config.api_keys, protect_metrics=config.metrics_require_key)
@@ -77,7 +83,8 @@ def _install_status(app: FastAPI, router: Router) -> None:
 
     @app.get("/metrics")
     async def metrics():
-        body, content_type = router.metrics.render()
+        replicas = app.state.replicas
+        body, content_type = router.metrics.render(await replicas() if replicas else None)
         return Response(body, media_type=content_type)
 
 
@@ -150,6 +157,7 @@ async def _serve(request: Request, router: Router, body, ids: list[int], chat: b
     route = router.route_request(prompt, body.user)
     rid = protocol.new_id("chatcmpl" if chat else "cmpl")
     tracing.annotate(request_id=rid)  # on the request's HTTP span
+    replica = {} if router.config.replica is None else {"x-pdserve-replica": str(router.config.replica)}
     generations = []
     # 503 now, before a stream starts, if there is no decode worker; every choice goes to the
     # same one, where they share the prompt's KV through its prefix cache (responses.merged_deltas)
@@ -163,14 +171,14 @@ async def _serve(request: Request, router: Router, body, ids: list[int], chat: b
         stream = responses.sse(router, rid, generations, body.model, chat, options, body.return_token_ids,
                                _echo_text(router, body, ids))
         return StreamingResponse(stream, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **replica})
     responses.begin(router)
     try:
         collected = await responses.collect(request, generations)
     finally:
         responses.end(router, generations)
     return JSONResponse(responses.json_body(router, rid, body.model, chat, generations, collected,
-                                            body.return_token_ids, _echo_text(router, body, ids)))
+                                            body.return_token_ids, _echo_text(router, body, ids)), headers=replica)
 
 
 def _echo_text(router: Router, body, ids: list[int]) -> str | None:

@@ -36,12 +36,18 @@ class RouterSettings(BaseModel):
     environment when the router is configured (`RouterConfig.with_environment`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    host: str = Field("127.0.0.1", description="address to listen on")
+    host: str | None = Field("127.0.0.1", description="address to listen on; null: the address of the node each "
+                                                     "replica runs on (replicas on several nodes: `resources`)")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port")
     replicas: int = Field(1, ge=1, json_schema_extra={"flag": "--routers"},
                           description="router processes serving the one host:port, each binding it with "
                                       "SO_REUSEPORT (Linux spreads new connections over them); 1: one router "
                                       "binding the port as usual")
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="custom Ray resources each replica needs, e.g. {router: 1} with nodes offering `router: 1` "
+                    "(deploy/nodes.yaml): a replica per labelled node, behind a load balancer "
+                    "(deploy/nginx-router.conf); {}: every replica on the head node")
     routing: RoutingPolicyName = Field(DEFAULT_POLICY, description="how to pick workers; cache-aware: where the "
                                        "prompt's KV is cached, traded against load")
     cache_aware: CacheAwareWeights = Field(default_factory=CacheAwareWeights,
@@ -94,6 +100,8 @@ class RouterConfig(RouterSettings):
     tpot_slo_s: float | None = Field(None, gt=0, description="TPOT SLO in seconds (see --ttft-slo-s)")
     otlp_traces_endpoint: str | None = Field(None, description="export OpenTelemetry traces here (rpc.tracing); "
                                                                "None: off")
+    replica: int | None = Field(None, ge=0, description="which router replica this process is (set by the "
+                                "controller; answers name it in their x-pdserve-replica header); None: not a replica")
 
     @model_validator(mode="before")
     @classmethod

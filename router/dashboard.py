@@ -7,11 +7,18 @@ the TTFT/TPOT percentiles, rate and goodput over the last minutes; the controlle
 router has one) adds pool targets, starting workers, the autoscaler's decisions, the SLOs
 and the events. The page works without a controller, without those parts. Its scale and
 drain buttons call /admin/scale and /admin/drain with the admin token the operator types in.
+
+Among router replicas (the app's `replicas` hook, router.app.build_app) whichever replica
+serves the page shows them all: the request totals and open requests are summed over the
+replicas that answered, the latency and rate charts pool their finished requests, and
+`routers` (the "Router replicas" table) lists each replica with its own counts. A bare router
+lists itself alone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -22,7 +29,7 @@ from fastapi import FastAPI
 from fastapi.responses import HTMLResponse
 
 from pdserve.engine import stats
-from pdserve.router.metrics import POOLS
+from pdserve.router.metrics import POOLS, Replica
 
 if TYPE_CHECKING:
     from pdserve.router.state import FinishedRequest, Router
@@ -62,9 +69,26 @@ class TransferRates:
         self._last, self._last_at = counters, now
 
 
-def _counter_total(counter) -> float:
-    """A prometheus_client counter summed over its labels, as /metrics shows `<name>_total`."""
-    return sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total"))
+def _sample_sum(families, name: str) -> float:
+    """The samples called `name` (e.g. `pdserve_requests_total`) summed over their labels."""
+    return sum(s.value for family in families for s in family.samples if s.name == name)
+
+
+def local_replica(router: Router) -> Replica:
+    """A bare router as the one replica there is (no address: it has no controller's view)."""
+    return Replica(0, "", os.getpid(), "ready", router.metrics.replica_families(), list(router.finished))
+
+
+def routers_view(replicas: list[Replica]) -> list[dict]:
+    """Each replica's row: its view, whether it answered, and (when it did) its open and
+    finished requests as its `pdserve_inflight_requests` and `pdserve_requests_total`."""
+    rows = []
+    for r in replicas:
+        answered = r.families is not None
+        rows.append({"replica": r.replica, "address": r.address, "pid": r.pid, "state": r.state, "answered": answered,
+                     "open_requests": int(_sample_sum(r.families, "pdserve_inflight_requests")) if answered else None,
+                     "requests_total": int(_sample_sum(r.families, "pdserve_requests_total")) if answered else None})
+    return rows
 
 
 def _worker(view) -> dict:
@@ -155,20 +179,24 @@ class CachedClusterStatus:
         return self.status
 
 
-def dashboard_data(router: Router, cluster: dict | None, rates: TransferRates) -> dict:
+def dashboard_data(router: Router, cluster: dict | None, rates: TransferRates, replicas: list[Replica]) -> dict:
+    """The page's data; `replicas`: every router replica (`local_replica` for a bare router)."""
     now = time.monotonic()
     views = [v for pool in POOLS for v in router.registry.workers(pool, routable=False)]
     rates.sample(views, now)
     auto = (cluster or {}).get("autoscaler") or {}
     slo = auto.get("slo")
-    metrics = router.metrics
+    answered = [r for r in replicas if r.families is not None]
+    families = [f for r in answered for f in r.families]
     return {
         "time": time.time(), "model": router.config.served_model_name, "routing": router.policy.name,
         "has_controller": router.controller is not None, "controller_ok": cluster is not None,
-        "requests_total": _counter_total(metrics.requests), "rejected_total": _counter_total(metrics.rejected),
-        "generation_tokens_total": _counter_total(metrics.generation_tokens), "inflight": router.inflight,
+        "requests_total": _sample_sum(families, "pdserve_requests_total"),
+        "rejected_total": _sample_sum(families, "pdserve_rejected_requests_total"),
+        "generation_tokens_total": _sample_sum(families, "pdserve_generation_tokens_total"),
+        "inflight": int(_sample_sum(families, "pdserve_inflight_requests")), "routers": routers_view(replicas),
         "pools": pools_view(router.registry, cluster), "slo": slo,
-        "latency": latency_view(router.finished, slo, now),
+        "latency": latency_view((f for r in answered for f in r.finished), slo, now),
         "transfer": [{"ago_s": now - t, "sent_bps": sent, "received_bps": received}
                      for t, sent, received in rates.points if now - t <= WINDOW_S],
         "autoscaler": {"enabled": auto.get("enabled", False), "overridden": auto.get("overridden", []),
@@ -187,4 +215,6 @@ def install_dashboard(app: FastAPI, router: Router) -> None:
 
     @app.get("/dashboard/data")
     async def dashboard_json():
-        return dashboard_data(router, await cluster.get(), rates)
+        hook = app.state.replicas
+        replicas = await hook(WINDOW_S) if hook else [local_replica(router)]
+        return dashboard_data(router, await cluster.get(), rates, replicas)

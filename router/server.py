@@ -40,17 +40,33 @@ def shared_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
     return sock
 
 
+def ensure_port_free(host: str, port: int) -> None:
+    """RuntimeError unless host:port can be bound now (a plain bind, which any socket on the
+    port refuses, shared or not): how a service whose replicas share their port still fails
+    its start on a port something else holds."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise RuntimeError(f"the router's port {host}:{port} is in use ({exc.strerror}): stop what holds it "
+                               f"or set router.port") from None
+
+
 class RouterServer(uvicorn.Server):
-    """uvicorn's server for one router process. With `router.replicas` > 1 it binds its
-    host:port itself, sharing it with the other replicas (`shared_socket`); with 1 it binds
-    as uvicorn does (a port in use fails the start). HTTPS is the same either way (uvicorn
-    wraps the connections of the sockets it is given)."""
+    """uvicorn's server for one router process. A replica of a service (`config.replica` set
+    by the controller, which can add replicas at any time) or a bare router told of others
+    (`replicas` > 1) binds its host:port itself, shared (`shared_socket`); a lone bare router
+    binds as uvicorn does (a port in use fails the start). HTTPS is the same either way
+    (uvicorn wraps the connections of the sockets it is given)."""
 
     router: Router
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         config = self.router.config
-        if sockets is None and config.replicas > 1:
+        if sockets is None and (config.replicas > 1 or config.replica is not None):
             sockets = [shared_socket(config.host, config.port, self.config.backlog)]
         await super().serve(sockets=sockets)
 
@@ -70,7 +86,9 @@ def make_server(config: RouterConfig, source: MembershipSource, controller=None)
 
 
 _FROM_RPC = ("security", "otlp_traces_endpoint")  # their flags are the rpc layer's (security, tracing)
-_BARE_HELPS = {"replicas": "router replicas sharing --host/--port: a bare router starts no others, but with N > 1 "
+_BARE_EXCLUDED = (*_FROM_RPC, "resources")  # resources: where Ray places replicas, nothing to a bare router
+_BARE_HELPS = {"host": "address to listen on",
+               "replicas": "router replicas sharing --host/--port: a bare router starts no others, but with N > 1 "
                            "it binds its port with SO_REUSEPORT, so N bare routers started alike serve it together"}
 
 
@@ -78,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The flags of `python -m pdserve.router`: RouterConfig's fields (engine.arg_utils), the
     workers to route to, the cluster token and TLS files, the trace collector."""
     parser = argparse.ArgumentParser(prog="python -m pdserve.router", description="pdserve router over bare workers")
-    add_config_args(parser, RouterConfig, exclude=_FROM_RPC, helps=_BARE_HELPS)
+    add_config_args(parser, RouterConfig, exclude=_BARE_EXCLUDED, helps=_BARE_HELPS)
     parser.add_argument("--prefill", action="append", default=[], help="prefill worker host:port (repeatable)")
     parser.add_argument("--decode", action="append", default=[], help="decode worker host:port (repeatable)")
     add_security_args(parser)
@@ -90,7 +108,7 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
     """The router's config from `build_parser()`'s flags and the environment's fallbacks
     (RouterConfig.with_environment); ValueError naming the flag of a bad value, or saying
     that no cluster token is set."""
-    return config_from_args(RouterConfig, args, exclude=_FROM_RPC, security=security_from_args(args),
+    return config_from_args(RouterConfig, args, exclude=_BARE_EXCLUDED, security=security_from_args(args),
                             otlp_traces_endpoint=args.otlp_traces_endpoint).with_environment()
 
 

@@ -1,11 +1,15 @@
-"""Router replicas on the real controller (`router.replicas: 2`, a simulated deployment): both
-replicas serve requests through the one port; one replica's process SIGKILLed mid-traffic
-ends only the streams it carried, while those on the other all complete; the controller
-replaces the dead replica alone (a new process, same name); `scale(routers=1)` leaves one."""
+"""Router replicas on the real controller (`router.replicas: 2`, a simulated deployment with
+three decode workers): both replicas serve requests through the one port; one replica's
+process SIGKILLed mid-traffic ends only the streams it carried, while those on the other all
+complete; the controller replaces the dead replica alone (a new process, same name);
+`scale(routers=1)` leaves one; a chat's turns land on the worker holding their prefix
+whichever replica takes them; a replica started after the chats began routes their later
+turns to their prefixes too (its index starts from the workers' snapshots)."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import threading
@@ -25,7 +29,7 @@ MAX_TOKENS = 120
 @pytest.fixture(scope="module")
 def replicated(ray_cluster):
     controller, url = start_service(SIM_MODEL, served_model_name=None, **{
-        "router.replicas": 2, "prefill.num_cpus": 0.1, "decode.num_cpus": 0.1,
+        "router.replicas": 2, "prefill.num_cpus": 0.1, "decode.num_cpus": 0.1, "decode.replicas": 3,
         "sim.speed": 0.25})  # slower steps: streams long enough to be cut
     yield controller, url
     stop_service(controller)
@@ -211,3 +215,79 @@ def test_scaling_to_one_router_leaves_one(replicated):
     assert ray.get(controller.scale.remote(routers=2), timeout=120)["routers"] == 2
     assert [r["replica"] for r in status(controller)["routers"]] == [0, 1]
     complete_once(url)
+
+
+BLOCK = 16  # tokens per KV block (SmolLM2's layout, which `sim` runs)
+
+
+class Chat:
+    """A chat as a client sends it: each turn resends the whole history plus new tokens, on
+    a connection of its own (the kernel gives it either replica), without `user` (no replica
+    may know the session: only the workers' cache reports tell where its prefix is)."""
+
+    def __init__(self, url: str, seed: int) -> None:
+        self.url, self.seed = url, seed
+        self.history: list[int] = []
+        self.turns: list[dict] = []
+
+    def turn(self) -> dict:
+        """Send the next turn; returns {replica, prompt, cached, held}: the replica that took it,
+        its prompt length, the prompt tokens its decode worker found cached, and the prompt
+        tokens of whole blocks the history before it already had."""
+        held = len(self.history) // BLOCK * BLOCK
+        self.history += [1000 + (self.seed * 7919 + len(self.history) + i) % 40000 for i in range(2 * BLOCK)]
+        status_code, body, headers = post(self.url + "/v1/completions", {
+            "model": SIM_MODEL, "prompt": self.history, "max_tokens": 4, "ignore_eos": True})
+        assert status_code == 200, body
+        replica = {k.lower(): v for k, v in headers.items()}["x-pdserve-replica"]
+        out = {"replica": int(replica), "prompt": len(self.history), "held": held,
+               "cached": body["usage"]["prompt_tokens_details"]["cached_tokens"]}
+        self.turns.append(out)
+        return out
+
+
+def later_turns_missing_their_prefix(chats: list[Chat]) -> list[dict]:
+    return [t for c in chats for t in c.turns[1:] if t["cached"] < t["held"]]
+
+
+def test_a_chats_turns_land_on_the_worker_holding_their_prefix_whichever_replica_takes_them(replicated):
+    controller, url = replicated
+    assert len(status(controller)["pools"]["decode"]["workers"]) == 3
+    chats = [Chat(url, seed) for seed in range(6)]
+    for _ in range(4):
+        for chat in chats:
+            chat.turn()
+        time.sleep(1.0)  # a user's think time: the workers' updates reach every replica meanwhile
+    assert not later_turns_missing_their_prefix(chats), [c.turns for c in chats]
+    # turns that another replica took than the turn before: routed by what the workers reported
+    switched = [t for c in chats for before, t in itertools.pairwise(c.turns) if t["replica"] != before["replica"]]
+    assert switched, [c.turns for c in chats]
+
+
+def test_a_replica_started_late_routes_with_the_whole_index(replicated):
+    import ray
+
+    controller, url = replicated
+    assert ray.get(controller.scale.remote(routers=1), timeout=120)["routers"] == 1
+    chats = [Chat(url, seed) for seed in range(100, 108)]
+    for _ in range(2):
+        for chat in chats:
+            assert chat.turn()["replica"] == 0
+    assert ray.get(controller.scale.remote(routers=2), timeout=120)["routers"] == 2
+    late = replicas(controller)[1]
+    time.sleep(1.0)
+
+    def index_of(handle) -> dict:
+        return {w: held["held"] for w, held in ray.get(handle.routing_summary.remote(), timeout=30)["index"].items()}
+
+    assert index_of(late) == index_of(replicas(controller)[0])  # both from the same worker reports
+    on_late = []
+    for attempt in range(48):  # until the kernel has given the late replica a few of the later turns
+        turn = chats[attempt % len(chats)].turn()
+        if turn["replica"] == 1:
+            on_late.append(turn)
+        if len(on_late) >= 4:
+            break
+    assert len(on_late) >= 4, [c.turns for c in chats]
+    assert all(t["cached"] >= t["held"] for t in on_late), on_late
+    assert not later_turns_missing_their_prefix(chats), [c.turns for c in chats]

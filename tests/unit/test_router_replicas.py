@@ -18,7 +18,7 @@ from pdserve.cluster.config import load_config
 from pdserve.cluster.recovery import ROUTER_NAME, router_name, router_replica
 from pdserve.router.config import RouterConfig, RouterSettings
 from pdserve.router.registry import static_source
-from pdserve.router.server import build_parser, make_server, router_config_from_args, shared_socket
+from pdserve.router.server import build_parser, ensure_port_free, make_server, router_config_from_args, shared_socket
 from pdserve.router.state import FinishedRequest, Router
 from pdserve.rpc.security import Security
 from tests.unit.test_settings_declared_once import written_in
@@ -143,6 +143,43 @@ def test_two_routers_with_replicas_share_their_port_and_one_router_binds_it_alon
     asyncio.run(main())
 
 
+def test_a_services_first_replica_binds_its_port_shared_so_that_replicas_can_join_it_later(smollm2_dir):
+    """The controller runs every router as a numbered replica: replica 0 of a one-replica
+    service binds the port shared, so `scale --routers 2` can add replica 1; the service's
+    start probes the port instead (`ensure_port_free`), so a port in use still fails it."""
+
+    def replica(port: int, number: int):
+        config = _config(port, 1, str(smollm2_dir)).model_copy(update={"replica": number})
+        return make_server(config, static_source([], ["127.0.0.1:1"], Security(TOKEN)))
+
+    async def main():
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        ensure_port_free("127.0.0.1", port)
+        first = replica(port, 0)
+        servers, tasks = [first], [asyncio.create_task(first.serve())]
+        try:
+            while not first.started:
+                assert not tasks[0].done(), tasks[0]
+                await asyncio.sleep(0.05)
+            with pytest.raises(RuntimeError, match=f"port 127.0.0.1:{port} is in use"):
+                ensure_port_free("127.0.0.1", port)
+            second = replica(port, 1)  # joins the one already serving
+            servers.append(second)
+            tasks.append(asyncio.create_task(second.serve()))
+            deadline = time.monotonic() + 30
+            while not second.started:
+                assert time.monotonic() < deadline and not tasks[1].done(), tasks[1]
+                await asyncio.sleep(0.05)
+        finally:
+            for server in servers:
+                server.should_exit = True
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(main())
+
+
 def _request(end: float, ttft: float, tpot: float | None, prompt: int = 10, cached: int = 0) -> FinishedRequest:
     return FinishedRequest(end=end, prompt_tokens=prompt, completion_tokens=5, ttft_s=ttft, tpot_s=tpot,
                            cached_tokens=cached, arrival=end - 1)
@@ -171,6 +208,19 @@ def test_replicas_observations_are_merged_from_their_samples_not_their_percentil
     assert merged["ttft_p"] == pytest.approx(0.1)  # the median of all ten samples, not the mean of two medians
     assert merged["hit_rate"] == pytest.approx(450 / 1000)
     assert merged["arrivals"] == sorted(merged["arrivals"]) and len(merged["lengths"]) == 10
+
+
+def test_replicas_observations_on_clocks_of_their_own_are_merged_on_one():
+    """A replica on another node reports times of its own monotonic clock, with its `now`:
+    the merge moves them onto the first part's clock, so arrivals interleave as they happened."""
+    now = time.monotonic()
+    here = [_request(now - 2, ttft=0.1, tpot=0.01), _request(now - 1, ttft=0.1, tpot=0.01)]
+    elsewhere_offset = 5000.0  # that node's clock reads 5000 s more at the same instant
+    there = [_request(now - 1.5 + elsewhere_offset, ttft=0.2, tpot=0.02)]
+    merged = merge_observations([{**_samples(here), "now": now}, {**_samples(there), "now": now + elsewhere_offset}],
+                                10.0, 50.0)
+    assert merged["count"] == 3
+    assert merged["arrivals"] == pytest.approx([now - 3, now - 2.5, now - 2])  # arrival = end - 1
 
 
 def test_status_prints_one_line_per_router_replica(capsys):

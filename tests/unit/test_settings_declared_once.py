@@ -27,8 +27,9 @@ PRODUCT = ("cluster", "router", "worker_base", "prefill_worker", "decode_worker"
 TOKEN = "t" * 32
 # Settings whose names other, different settings share: pdserve up's --host/--port override
 # router.host/port; a worker's host and port are where it listens; `replicas` is the router's
-# (router.replicas, flag --routers) and a pool's (prefill.replicas, decode.replicas).
-SHARED_NAMES = {"host", "port", "replicas"}
+# (router.replicas, flag --routers) and a pool's (prefill.replicas, decode.replicas), and so is
+# `resources` (router.resources, prefill.resources: the Ray resources each replica or worker needs).
+SHARED_NAMES = {"host", "port", "replicas", "resources"}
 SETTINGS = sorted((set(RouterSettings.model_fields) | set(WorkerSettings.model_fields)) - SHARED_NAMES)
 
 
@@ -49,7 +50,7 @@ def test_every_router_setting_is_a_flag_of_the_bare_router_with_its_default():
     parser = build_parser()
     dests = {action.dest for action in parser._actions}
     for dest, default in leaf_defaults(RouterConfig).items():
-        if dest == "security":  # --cluster-token and the TLS files (rpc.security)
+        if dest in ("security", "resources"):  # --cluster-token and the TLS files; Ray placement only
             continue
         assert dest in dests, f"RouterConfig.{dest} has no flag"
         assert parser.get_default(dest) == default, dest
