@@ -17,6 +17,11 @@ from dataclasses import dataclass, field
 import ray
 
 NAMESPACE = "pdserve"
+CONTROLLER_NAME = "pdserve-controller"
+# The controller and the router live on the head node (with the GCS): a worker node's loss
+# must never take them, and Ray can pin an actor there by the head's own resource. Router
+# replicas that `router.resources` places elsewhere are replaced by the health loop instead.
+ON_HEAD = {"node:__internal_head__": 0.001}
 WORKER_PREFIX = "pdserve-worker-"
 ROUTER_NAME = "pdserve-router"
 ROLES = ("prefill", "decode")
