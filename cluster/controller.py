@@ -45,6 +45,7 @@ from pdserve.cluster.recovery import (
     Recovery,
     RouterRecord,
     WorkerRecord,
+    answers_ping,
     router_replica,
 )
 from pdserve.cluster.routers import RouterReplicas
@@ -390,7 +391,7 @@ class Controller(Recovery, RouterReplicas):
         while True:
             await asyncio.sleep(self.config.health_check_interval_s)
             ready = [w for w in self.workers.values() if w.state in ("ready", "draining")]
-            results = await asyncio.gather(*(self._ping(w) for w in ready))
+            results = await asyncio.gather(*(answers_ping(w.handle) for w in ready))
             dead = [w for w, ok in zip(ready, results, strict=True) if not ok]
             for w in dead:
                 self._event(w.role, "died", w.address, w)
@@ -398,13 +399,6 @@ class Controller(Recovery, RouterReplicas):
             if dead:
                 self._reconcile()
             await self._check_routers()
-
-    @staticmethod
-    async def _ping(w: WorkerRecord) -> bool:
-        try:
-            return bool(await asyncio.wait_for(w.handle.ping.remote(), 5))
-        except Exception:  # noqa: BLE001 - dead or hung
-            return False
 
     async def _wait_ready(self, timeout_s: float = 600, include_pending: bool = False) -> None:
         waiting = ("starting", "pending") if include_pending else ("starting",)

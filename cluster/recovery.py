@@ -27,6 +27,15 @@ ROUTER_NAME = "pdserve-router"
 ROLES = ("prefill", "decode")
 
 
+async def answers_ping(handle, timeout_s: float = 5.0) -> bool:
+    """Whether a worker's or router replica's actor answers its `ping` (True) in time: False
+    when it is dead, hung or unhealthy."""
+    try:
+        return bool(await asyncio.wait_for(handle.ping.remote(), timeout_s))
+    except Exception:  # noqa: BLE001 - dead or hung
+        return False
+
+
 def router_name(replica: int) -> str:
     """The actor name of router replica `replica`: replica 0 keeps ROUTER_NAME."""
     return ROUTER_NAME if replica == 0 else f"{ROUTER_NAME}-{replica}"

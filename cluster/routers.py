@@ -25,7 +25,7 @@ import logging
 import ray
 
 from pdserve.cluster.actors import RouterActor
-from pdserve.cluster.recovery import CONTROLLER_NAME, NAMESPACE, ON_HEAD, RouterRecord, router_name
+from pdserve.cluster.recovery import CONTROLLER_NAME, NAMESPACE, ON_HEAD, RouterRecord, answers_ping, router_name
 
 logger = logging.getLogger(__name__)
 # A router replica whose actor Ray has not created by then has no node with room: its start
@@ -180,7 +180,7 @@ class RouterReplicas:
         if self._routers_lock.locked():
             return  # replicas are being started or stopped: checked next time
         ready = [r for r in self.routers.values() if r.state == "ready"]
-        alive = await asyncio.gather(*(self._ping_router(r) for r in ready))
+        alive = await asyncio.gather(*(answers_ping(r.handle) for r in ready))
         dead = [r for r, ok in zip(ready, alive, strict=True) if not ok]
         for r in dead:
             self._event("router", "died", f"{r.name} {r.url} pid {r.pid}")
@@ -196,10 +196,3 @@ class RouterReplicas:
             new = self.routers.get(r.replica)
             if new is not None and new.state == "ready":
                 self._event("router", "replaced", f"{new.name} {new.url} pid {new.pid} (was pid {r.pid})")
-
-    @staticmethod
-    async def _ping_router(r: RouterRecord) -> bool:
-        try:
-            return bool(await asyncio.wait_for(r.handle.ping.remote(), 5))
-        except Exception:  # noqa: BLE001 - dead or hung
-            return False
