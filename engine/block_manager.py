@@ -104,11 +104,14 @@ class BlockManager:
         table.extend(new_blocks)
         return new_blocks
 
-    def commit(self, request_id: str, num_computed_tokens: int, tokens: Callable[[int, int], list[int]]) -> None:
+    def commit(self, request_id: str, num_computed_tokens: int,
+               tokens: Callable[[int, int], list[int]]) -> list[tuple[int, bytes]]:
         """Hash the request's full blocks that `num_computed_tokens` now covers, and index
-        them for reuse; `tokens(start, end)` gives the request's token ids in that range."""
+        them for reuse; `tokens(start, end)` gives the request's token ids in that range.
+        Returns the (block, hash) pairs newly indexed (content the cache did not hold yet)."""
+        stored: list[tuple[int, bytes]] = []
         if not self.enable_prefix_caching or request_id not in self._tables:
-            return
+            return stored
         hashes, table, bs = self._hashes[request_id], self._tables[request_id], self.block_size
         for index in range(len(hashes), min(num_computed_tokens // bs, len(table))):
             parent = hashes[-1] if hashes else self.root
@@ -119,6 +122,8 @@ class BlockManager:
                 self._by_hash[digest] = block  # else: the same content is cached already
                 self._hash_of[block] = digest
                 self.events.stored(digest)
+                stored.append((block, digest))
+        return stored
 
     def free(self, request_id: str) -> int:
         """Drop the request's references (last block first, so a prefix outlives its tail

@@ -13,6 +13,8 @@ CPU_KV_CACHE_ENV = "PDSERVE_CPU_KV_CACHE_BYTES"  # overrides DEFAULT_CPU_KV_CACH
 
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # what weights and KV may be stored in
+DEFAULT_KV_TIER_BYTES = 8 * 1024**3  # the second KV tier's store (KVTierConfig.budget_bytes)
+KV_TIER_DIRNAME = "kv-tier"  # its default directory, under $PDSERVE_CACHE
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,33 @@ class SimConfig:
             raise ValueError(f"sim.kv_bytes must be true or false, got {self.kv_bytes!r}")
 
 
+@dataclass(frozen=True)
+class KVTierConfig:
+    """The second KV tier (engine.kv_tier): every full prefix block's KV, as the engine
+    computes it, is written through to a file store on the node (engine.kv_store) that the
+    workers naming the same directory share, and a prompt's blocks found there are loaded
+    back instead of recomputed when reading them is predicted to be faster. Needs prefix
+    caching (the tier keys blocks by their chained hashes); the simulated engine computes no
+    KV, so it runs without the tier (enabling both is refused)."""
+
+    enabled: bool = field(default=False, metadata={
+        "help": "keep computed prefix blocks' KV in a store on this node, shared by its workers, and load a "
+                "prompt's blocks back from it when that beats recomputing them (off for now: the benchmark "
+                "decides the default)"})
+    budget_bytes: int = field(default=DEFAULT_KV_TIER_BYTES, metadata={
+        "help": "bytes of KV the store keeps; past it the least recently used blocks go"})
+    directory: str | None = field(default=None, metadata={
+        "help": f"the store's directory (default: $PDSERVE_CACHE/{KV_TIER_DIRNAME}); each KV layout (model, "
+                "dtype, block size, shapes) keeps a subdirectory of its own"})
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"kv_tier.enabled must be true or false, got {self.enabled!r}")
+        _check_range("kv_tier.budget_bytes", self.budget_bytes, 1, 1 << 60)
+        if self.directory is not None and (not isinstance(self.directory, str) or not self.directory):
+            raise ValueError(f"kv_tier.directory must be a path or null, got {self.directory!r}")
+
+
 def checkpoint_of(model: str, sim: SimConfig) -> str:
     """The model whose tokenizer and config.json `model` loads: `sim.like` for the simulated
     engine, `model` itself otherwise."""
@@ -59,6 +88,7 @@ class EngineConfig:
     `kv_cache_bytes=None` means: on CPU `$PDSERVE_CPU_KV_CACHE_BYTES` or else 2 GiB (see
     `default_cpu_kv_cache_bytes`), on CUDA `gpu_memory_utilization` of the free GPU memory
     (after weights).
+    `kv_tier` is the second KV tier (KVTierConfig, a mapping taken as its fields), off by default.
     """
 
     model: str = DEFAULT_MODEL
@@ -73,12 +103,19 @@ class EngineConfig:
     seed: int = 0
     enable_prefix_caching: bool = True
     sim: SimConfig = field(default_factory=SimConfig)
+    kv_tier: KVTierConfig = field(default_factory=KVTierConfig)
 
     def __post_init__(self) -> None:
-        if isinstance(self.sim, dict):  # flags and YAML give nested settings as mappings
-            object.__setattr__(self, "sim", SimConfig(**self.sim))
-        if not isinstance(self.sim, SimConfig):
-            raise ValueError(f"sim must be a SimConfig or a mapping of its fields, got {type(self.sim).__name__}")
+        for name, kind in (("sim", SimConfig), ("kv_tier", KVTierConfig)):
+            value = getattr(self, name)
+            if isinstance(value, dict):  # flags and YAML give nested settings as mappings
+                object.__setattr__(self, name, value := kind(**value))
+            if not isinstance(value, kind):
+                raise ValueError(f"{name} must be a {kind.__name__} or a mapping of its fields, "
+                                 f"got {type(value).__name__}")
+        if self.kv_tier.enabled and (self.is_sim or not self.enable_prefix_caching):
+            raise ValueError("kv_tier.enabled needs prefix caching (the tier keys blocks by their hashes) and a real "
+                             "model (the simulated engine computes no KV to keep)")
         _check_range("block_size", self.block_size, 1, 1024)
         _check_range("max_num_seqs", self.max_num_seqs, 1, 1 << 20)
         _check_range("max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 24)

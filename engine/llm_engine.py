@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import logging
 import random
+import time
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 
 from pdserve.engine.block_hash import root_hash
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.config import KV_TIER_DIRNAME, EngineConfig
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.guided import GuideFactory
 from pdserve.engine.kv_connector import KVConnector, KVSchedulerSide, KVWorkerSide
+from pdserve.engine.kv_store import KVStore
+from pdserve.engine.kv_tier import CacheBlocks, KVTier, layout_directory
 from pdserve.engine.loader import load_model, num_kv_blocks
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.model_source import cache_dir
 from pdserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
@@ -21,6 +27,8 @@ from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.engine.stats import EngineLoad
 from pdserve.engine.step_log import StepShape
 from pdserve.engine.tokenizer import check_prompt_length, check_token_ids, encode_prompt
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -33,7 +41,8 @@ class _Tracked:
 class LLMEngine:
     """Public API: requests (`add_request`, `abort_request`, `step`, ...), the KV connector
     (`kv_connector`: KV that crosses the engine's edge), and load facts (`load`,
-    `num_waiting`, `num_running`). `scheduler`, `block_manager` and `runner` are internal."""
+    `num_waiting`, `num_running`). `kv_tier`: the second KV tier (engine.kv_tier) or None.
+    `scheduler`, `block_manager` and `runner` are internal."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -48,6 +57,8 @@ class LLMEngine:
             self.block_manager,
         )
         self.runner = self._make_runner(num_blocks)
+        self.kv_tier = self._make_kv_tier(salt) if config.kv_tier.enabled else None  # the second KV tier
+        self.scheduler.tier = self.kv_tier
         self._tracked: dict[str, _Tracked] = {}
         self._reserved: set[str] = set()  # requests whose blocks await KV from elsewhere (kv_connector)
         self._seed_source = random.Random(config.seed)
@@ -66,6 +77,21 @@ class LLMEngine:
         requests = self.scheduler.requests
         return SimRunner(self.loaded.model, num_blocks, self.config.block_size, self.config.sim,
                          lambda request_id, start, end: requests[request_id].token_slice(start, end))
+
+    def _make_kv_tier(self, salt: str) -> KVTier | None:
+        """The second KV tier (engine.kv_tier) on a store in this KV layout's directory under
+        `kv_tier.directory`; None, logged, when the store cannot run there."""
+        settings, shape = self.config.kv_tier, self.loaded.shape
+        base = Path(settings.directory) if settings.directory else cache_dir() / KV_TIER_DIRNAME
+        directory = layout_directory(base, salt, self.loaded.model_dir, self.config.block_size,
+                                     (shape.num_layers, shape.num_kv_heads, shape.head_dim))
+        store = KVStore(directory, settings.budget_bytes)
+        if not store.enabled:
+            logger.warning("the second KV tier is off: its store in %s cannot run (%s)", directory,
+                           store.disabled_reason)
+            store.close()
+            return None
+        return KVTier(store, CacheBlocks(self.runner.kv_cache), self.config.block_size, self.block_manager.root)
 
     @property
     def tokenizer(self):
@@ -120,6 +146,8 @@ class LLMEngine:
             prefix_cache_hit_tokens=scheduler.num_cache_hit_tokens,
             prefill_tokens_computed=self.num_prefill_tokens_computed,
             decode_tokens_computed=self.num_decode_tokens_computed,
+            kv_tier_hit_tokens=scheduler.num_tier_hit_tokens,
+            **(self.kv_tier.load_fields() if self.kv_tier is not None else {}),
         )
 
     def add_request(self, request_id: str, prompt: str | list[int],
@@ -210,8 +238,12 @@ class LLMEngine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress with requests pending")
             return []
+        started = time.perf_counter()
         result = self.runner.execute(scheduled)
-        self._count_step(scheduled)
+        seconds = time.perf_counter() - started
+        prompt_tokens = self._count_step(scheduled)
+        if self.kv_tier is not None:
+            self.kv_tier.observe_prefill(prompt_tokens, seconds)
         for request_id, (position, logprobs) in result.prompt_logprobs.items():
             self._tracked[request_id].request.add_prompt_logprobs(position, logprobs)
         self.scheduler.update(scheduled, result.sampled)
@@ -221,16 +253,20 @@ class LLMEngine:
             outputs.append(self._after_token(tracked, token, result.logprobs.get(request_id)))
         return outputs
 
-    def _count_step(self, scheduled) -> None:
+    def _count_step(self, scheduled) -> int:
+        """Account the step's shape and tokens; returns the prompt tokens it computed."""
         self.last_step_sequences = len(scheduled.chunks)
         self.last_step_shape = StepShape.of(scheduled.chunks)
+        prompt_tokens = 0
         for chunk in scheduled.chunks:
             request = self.scheduler.requests.get(chunk.request_id)
             if request is None:
                 continue
             prompt = max(0, min(chunk.start_pos + len(chunk.token_ids), request.num_prompt_tokens) - chunk.start_pos)
-            self.num_prefill_tokens_computed += prompt
+            prompt_tokens += prompt
             self.num_decode_tokens_computed += len(chunk.token_ids) - prompt
+        self.num_prefill_tokens_computed += prompt_tokens
+        return prompt_tokens
 
     def _after_token(self, tracked: _Tracked, token: int, logprob: TokenLogprob | None = None) -> RequestOutput:
         request, detok = tracked.request, tracked.detokenizer

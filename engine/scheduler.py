@@ -12,6 +12,11 @@ as computed (always leaving its last token to compute, so there are logits to sa
 preempted request finds its own blocks again the same way. After every step the blocks
 that became full and computed are committed to the cache, so a finished request's prompt
 and reply serve the next turn of its conversation.
+
+Second KV tier (`tier`, engine.kv_tier, when the engine installs one): blocks committed are
+written through to it, and a waiting request's blocks past its cached prefix that the tier
+holds are loaded into the blocks after that prefix when it joins (when that beats recomputing
+them), counted computed and cached like the prefix.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from pdserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pdserve.engine.guided import Guide
+    from pdserve.engine.kv_tier import KVTier, TierPlan
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,8 @@ class Scheduler:
         self.num_cache_queries = 0  # prompts looked up in the prefix cache
         self.num_cache_query_tokens = 0  # their tokens
         self.num_cache_hit_tokens = 0  # of which found cached
+        self.tier: KVTier | None = None  # the second KV tier, installed by the engine (engine.kv_tier)
+        self.num_tier_hit_tokens = 0  # prompt tokens loaded from the tier (not in num_cache_hit_tokens)
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -140,11 +148,17 @@ class Scheduler:
             request = self.waiting[0]
             prefix = self._cached_prefix(request)
             cached = len(prefix) * self.block_manager.block_size
-            num_new = min(request.num_tokens - cached, budget)
-            if self.block_manager.allocate_slots(request.request_id, cached + num_new, prefix) is None:
+            plan = self._tier_plan(request, len(prefix))
+            reach = cached + (plan.num_blocks if plan else 0) * self.block_manager.block_size
+            num_new = min(request.num_tokens - reach, budget)
+            if self.block_manager.allocate_slots(request.request_id, reach + num_new, prefix) is None:
                 break
-            self._count_hit(request, cached)
-            request.num_computed_tokens = cached
+            loaded = self._load_from_tier(request, plan, len(prefix))
+            self._count_hit(request, cached, loaded)
+            request.num_computed_tokens = cached + loaded
+            self.commit(request)  # the loaded blocks (a plain prefix is committed already)
+            # a load cut short leaves its blocks to compute into: reach + num_new covers the chunk
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -185,23 +199,45 @@ class Scheduler:
         return request
 
     def commit(self, request: Request) -> None:
-        """Offer the request's newly full, computed blocks to the prefix cache."""
-        self.block_manager.commit(request.request_id, request.num_computed_tokens, request.token_slice)
+        """Offer the request's newly full, computed blocks to the prefix cache (and write
+        those it indexes through to the tier)."""
+        stored = self.block_manager.commit(request.request_id, request.num_computed_tokens, request.token_slice)
+        if stored and self.tier is not None:
+            self.tier.write(stored)
+
+    def _may_reuse(self, request: Request) -> bool:
+        """Whether the request may start from cached KV: it holds no blocks yet, and does
+        not need every prompt position computed (prompt logprobs)."""
+        return not (request.num_computed_tokens or self.block_manager.block_table(request.request_id)
+                    or request.needs_prompt_logprobs)
 
     def _cached_prefix(self, request: Request) -> list[int]:
         """Cached blocks to start the request's table with: whole blocks of its tokens, short
         of its last token (which must be computed to sample from)."""
-        if request.num_computed_tokens or self.block_manager.block_table(request.request_id):
+        if not self._may_reuse(request):
             return []
-        if request.needs_prompt_logprobs:  # every prompt position must be computed
-            return []
-        prefix = self.block_manager.cached_prefix(request.token_slice(0, request.num_tokens - 1))
-        return prefix
+        return self.block_manager.cached_prefix(request.token_slice(0, request.num_tokens - 1))
 
-    def _count_hit(self, request: Request, cached: int) -> None:
+    def _tier_plan(self, request: Request, num_prefix_blocks: int) -> TierPlan | None:
+        """What the tier holds of the request's blocks past its cached prefix (the same
+        tokens `_cached_prefix` may reuse), and whether to load it; None: nothing."""
+        if self.tier is None or not self._may_reuse(request):
+            return None
+        return self.tier.plan(request.token_slice(0, request.num_tokens - 1), num_prefix_blocks)
+
+    def _load_from_tier(self, request: Request, plan: TierPlan | None, num_prefix_blocks: int) -> int:
+        """Carry out `plan` into the request's blocks after its prefix; the tokens loaded."""
+        if plan is None:
+            return 0
+        blocks = self.block_manager.block_table(request.request_id)[num_prefix_blocks:]
+        return self.tier.apply(plan, blocks) * self.block_manager.block_size
+
+    def _count_hit(self, request: Request, cached: int, loaded: int) -> None:
         if request.num_preemptions == 0:
-            request.num_cached_tokens = min(cached, request.num_prompt_tokens)
-            self.count_lookup(request.num_prompt_tokens, request.num_cached_tokens)
+            pooled = min(cached, request.num_prompt_tokens)
+            request.num_cached_tokens = min(cached + loaded, request.num_prompt_tokens)
+            self.count_lookup(request.num_prompt_tokens, pooled)
+            self.num_tier_hit_tokens += request.num_cached_tokens - pooled
 
     def count_lookup(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
         """Account one prompt's prefix-cache lookup (for the hit rate in Stats)."""

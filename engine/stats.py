@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def percentile(values: Iterable[float], q: float) -> float | None:
@@ -50,3 +50,10 @@ class EngineLoad:
     prefix_cache_hit_tokens: int  # of which found cached
     prefill_tokens_computed: int  # prompt positions computed
     decode_tokens_computed: int  # positions of generated tokens computed
+    # the second KV tier (engine.kv_tier); zero and empty when it is off
+    kv_tier_hit_tokens: int = 0  # prompt tokens loaded from it (not in prefix_cache_hit_tokens)
+    kv_tier_decisions: dict[str, int] = field(default_factory=dict)  # engine.kv_tier.DECISIONS -> requests
+    kv_tier_blocks_written: int = 0  # blocks this engine wrote through to it
+    kv_tier_bytes: int = 0  # bytes its store holds, node-wide
+    kv_tier_read_bandwidth: float = 0.0  # bytes/s its reads measured (KVStore.read_bandwidth; 0: not yet)
+    kv_tier_store: dict[str, int] = field(default_factory=dict)  # the rest of KVStore.stats: its counters, files, ...

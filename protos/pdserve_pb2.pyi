@@ -106,8 +106,22 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "num_waiting", "num_running", "num_waiting_for_kv", "queued_prefill_tokens", "num_free_blocks", "num_total_blocks", "num_preemptions", "num_finished", "num_failed_transfers", "draining", "prefix_cache_queries", "prefix_cache_hit_tokens", "num_cached_blocks", "kv_bytes_received", "kv_bytes_sent", "prefill_decisions", "prefix_cache_query_tokens", "step_seconds", "batch_size", "prefill_tokens_computed", "decode_tokens_computed", "transfers")
+    __slots__ = ("worker_id", "role", "num_waiting", "num_running", "num_waiting_for_kv", "queued_prefill_tokens", "num_free_blocks", "num_total_blocks", "num_preemptions", "num_finished", "num_failed_transfers", "draining", "prefix_cache_queries", "prefix_cache_hit_tokens", "num_cached_blocks", "kv_bytes_received", "kv_bytes_sent", "prefill_decisions", "prefix_cache_query_tokens", "step_seconds", "batch_size", "prefill_tokens_computed", "decode_tokens_computed", "transfers", "kv_tier_hit_tokens", "kv_tier_decisions", "kv_tier_blocks_written", "kv_tier_bytes", "kv_tier_read_bandwidth", "kv_tier_store")
     class PrefillDecisionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class KvTierDecisionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class KvTierStoreEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +152,12 @@ class WorkerStats(_message.Message):
     PREFILL_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     DECODE_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    KV_TIER_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_TIER_DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    KV_TIER_BLOCKS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    KV_TIER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_TIER_READ_BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
+    KV_TIER_STORE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_waiting: int
@@ -162,7 +182,13 @@ class WorkerStats(_message.Message):
     prefill_tokens_computed: int
     decode_tokens_computed: int
     transfers: _containers.RepeatedCompositeFieldContainer[TransferStats]
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting_for_kv: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_failed_transfers: _Optional[int] = ..., draining: bool = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., prefill_decisions: _Optional[_Mapping[str, int]] = ..., prefix_cache_query_tokens: _Optional[int] = ..., step_seconds: _Optional[_Union[Histogram, _Mapping]] = ..., batch_size: _Optional[_Union[Histogram, _Mapping]] = ..., prefill_tokens_computed: _Optional[int] = ..., decode_tokens_computed: _Optional[int] = ..., transfers: _Optional[_Iterable[_Union[TransferStats, _Mapping]]] = ...) -> None: ...
+    kv_tier_hit_tokens: int
+    kv_tier_decisions: _containers.ScalarMap[str, int]
+    kv_tier_blocks_written: int
+    kv_tier_bytes: int
+    kv_tier_read_bandwidth: float
+    kv_tier_store: _containers.ScalarMap[str, int]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting_for_kv: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_failed_transfers: _Optional[int] = ..., draining: bool = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., prefill_decisions: _Optional[_Mapping[str, int]] = ..., prefix_cache_query_tokens: _Optional[int] = ..., step_seconds: _Optional[_Union[Histogram, _Mapping]] = ..., batch_size: _Optional[_Union[Histogram, _Mapping]] = ..., prefill_tokens_computed: _Optional[int] = ..., decode_tokens_computed: _Optional[int] = ..., transfers: _Optional[_Iterable[_Union[TransferStats, _Mapping]]] = ..., kv_tier_hit_tokens: _Optional[int] = ..., kv_tier_decisions: _Optional[_Mapping[str, int]] = ..., kv_tier_blocks_written: _Optional[int] = ..., kv_tier_bytes: _Optional[int] = ..., kv_tier_read_bandwidth: _Optional[float] = ..., kv_tier_store: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class Histogram(_message.Message):
     __slots__ = ("bounds", "counts", "sum")

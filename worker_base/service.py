@@ -108,6 +108,9 @@ class WorkerServiceBase:
             prefix_cache_hit_tokens=load.prefix_cache_hit_tokens, num_cached_blocks=load.num_cached_blocks,
             prefill_tokens_computed=load.prefill_tokens_computed,
             decode_tokens_computed=load.decode_tokens_computed,
+            kv_tier_hit_tokens=load.kv_tier_hit_tokens, kv_tier_decisions=load.kv_tier_decisions,
+            kv_tier_blocks_written=load.kv_tier_blocks_written, kv_tier_bytes=load.kv_tier_bytes,
+            kv_tier_read_bandwidth=load.kv_tier_read_bandwidth, kv_tier_store=load.kv_tier_store,
             transfers=self.transfers.to_proto(), **fields,
         )
         histogram_to_proto(self.aengine.step_seconds, stats.step_seconds)

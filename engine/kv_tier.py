@@ -1,0 +1,193 @@
+"""The second KV tier, engine side: full prefix blocks' KV kept in a node-local store
+(engine.kv_store, shared by the workers naming one directory) beyond the pool's life, and
+loaded back into the pool when that beats recomputing them (docs/design.md, "Second KV tier").
+
+- **Write-through.** Every block the block manager newly indexes at a commit (full, every
+  token computed, referenced by the committing request, so its content is final) is copied
+  out of the runner's cache on the engine thread and handed to the store, which writes it
+  on its own thread; blocks the store holds already are skipped. Not write-on-evict: the
+  pool evicts inside an allocation, when the block is about to be overwritten (no time to
+  copy it out), and a crashed worker's blocks survive only if already written.
+- **Load instead of recompute.** When the scheduler admits a waiting request, the chain of
+  block hashes continues past the pool's cached prefix over the prompt (full blocks, never
+  the last token) and the store says how many more leading blocks it holds. They are loaded
+  when reading them (bytes / the store's measured read bandwidth) is predicted to take less
+  than prefilling their tokens (`KVTier.prefill_seconds`), else recomputed; while either
+  speed is unmeasured they are loaded, which measures the read. A block the store cannot
+  give back (evicted meanwhile, corrupt) ends the load there: the request computes the rest.
+- **Accounting.** Decisions by reason (`DECISIONS`), blocks written; the scheduler counts
+  the tokens loaded (`Scheduler.num_tier_hit_tokens`) apart from the pool's hits, and
+  counts them in the request's cached tokens.
+
+Threads: everything here runs on the engine thread (a step's scheduling and commits), or
+between steps under the driver's lock (a KV connector admission commits its blocks).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from pdserve.engine.block_hash import prefix_hashes
+from pdserve.engine.profile import Profile, prefill_seconds
+
+DECISIONS = ("load", "recompute: slower", "load failed")  # the reasons counted, per request with blocks in the store
+PREFILL_RATE_WEIGHT = 0.2  # the EWMA's weight of each new step's prompt tokens per second
+
+
+class Store(Protocol):
+    """What the tier uses of engine.kv_store.KVStore."""
+
+    def put(self, key: bytes, payload: bytes) -> bool: ...
+    def contains(self, keys: Sequence[bytes]) -> int: ...
+    def get(self, key: bytes) -> bytes | None: ...
+    def read_bandwidth(self) -> float: ...
+    def stats(self) -> dict[str, int | float]: ...
+
+
+class BlockCopies(Protocol):
+    """The runner's KV cache a block at a time (CacheBlocks); `block_bytes`: one block's payload."""
+
+    block_bytes: int
+
+    def read(self, blocks: Sequence[int]) -> list[bytes]: ...
+    def write(self, blocks: Sequence[int], payloads: Sequence[bytes]) -> None: ...
+
+
+class CacheBlocks:
+    """The paged cache `[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]` as one
+    payload per block: its `[num_layers, 2, block_size, kv_heads, head_dim]` slice, raw bytes
+    of the cache's dtype. Engine thread (or between steps) only."""
+
+    def __init__(self, kv_cache: torch.Tensor) -> None:
+        self._cache = kv_cache
+        layers, halves, _, *block = kv_cache.shape
+        self._block_shape = (layers, halves, *block)
+        self.block_bytes = kv_cache[:, :, 0].numel() * kv_cache.element_size()
+
+    def read(self, blocks: Sequence[int]) -> list[bytes]:
+        """Copies of the blocks' KV (one device-to-host copy for all of them)."""
+        index = torch.as_tensor(list(blocks), dtype=torch.long, device=self._cache.device)
+        rows = self._cache.index_select(2, index).movedim(2, 0).contiguous().cpu()
+        raw = rows.view(torch.uint8).reshape(len(blocks), -1).numpy()
+        return [row.tobytes() for row in raw]
+
+    def write(self, blocks: Sequence[int], payloads: Sequence[bytes]) -> None:
+        """Put `payloads` (each one block's, as `read` gives them) into `blocks`."""
+        raw = torch.frombuffer(bytearray().join(payloads), dtype=torch.uint8)
+        rows = raw.view(self._cache.dtype).view(len(blocks), *self._block_shape).to(self._cache.device)
+        index = torch.as_tensor(list(blocks), dtype=torch.long, device=self._cache.device)
+        self._cache.index_copy_(2, index, rows.movedim(0, 2))
+
+
+def layout_directory(base: Path, salt: str, checkpoint: Path, block_size: int, kv_shape: Sequence[int]) -> Path:
+    """The store's directory for one KV layout under `base`: named by a hash of the block
+    hashes' salt (model, dtype), the checkpoint's files (name, size, mtime: one rewritten in
+    place is a new layout), the block size and the cache's `(num_layers, kv_heads, head_dim)`,
+    so blocks of different layouts never mix."""
+    files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in Path(checkpoint).iterdir() if p.is_file())
+    key = repr((salt, files, block_size, tuple(kv_shape)))
+    return Path(base) / hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
+
+
+@dataclass(frozen=True)
+class TierPlan:
+    """The blocks after a request's pooled prefix that the store holds (`keys`, a leading
+    run of its block hashes) and whether to load them (else they are recomputed)."""
+
+    keys: list[bytes]
+    load: bool
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks to load."""
+        return len(self.keys) if self.load else 0
+
+
+class KVTier:
+    """The tier's engine side (see the module docstring): `plan` and `apply` when a request
+    is admitted, `write` at commits, `observe_prefill` after steps. `profile`: a latency
+    profile (engine.profile) to predict prefill time with instead of the measured rate,
+    where the engine's owner has one."""
+
+    def __init__(self, store: Store, cache: BlockCopies, block_size: int, root: bytes,
+                 profile: Profile | None = None) -> None:
+        self.store, self.cache = store, cache
+        self.block_size, self.root = block_size, root
+        self.profile = profile
+        self.prefill_rate: float | None = None  # prompt tokens per second of steps computing prompts (EWMA)
+        self.decisions = dict.fromkeys(DECISIONS, 0)
+        self.num_blocks_written = 0  # blocks handed to the store (it may still drop some: its queue, its budget)
+
+    def plan(self, token_ids: list[int], num_cached_blocks: int) -> TierPlan | None:
+        """For a request whose tokens to reuse are `token_ids` (its last token excluded) and
+        whose first `num_cached_blocks` full blocks the pool holds: the store's leading run of
+        the blocks after them and whether to load it; None when the store holds none."""
+        keys = prefix_hashes(token_ids, self.block_size, self.root)[num_cached_blocks:]
+        held = self.store.contains(keys) if keys else 0
+        if not held:
+            return None
+        return TierPlan(keys[:held], self._load_is_faster(held))
+
+    def apply(self, plan: TierPlan, blocks: Sequence[int]) -> int:
+        """Carry out `plan` for a request now holding `blocks` after its pooled prefix: copy
+        the planned blocks' KV from the store into them, up to the first the store cannot
+        give back; count the decision. Returns how many blocks were loaded (the caller
+        commits them and counts them computed)."""
+        if not plan.load:
+            self.decisions["recompute: slower"] += 1
+            return 0
+        payloads = []
+        for key in plan.keys:
+            payload = self.store.get(key)
+            if payload is None or len(payload) != self.cache.block_bytes:
+                break
+            payloads.append(payload)
+        if payloads:
+            self.cache.write(blocks[:len(payloads)], payloads)
+        self.decisions["load" if len(payloads) == len(plan.keys) else "load failed"] += 1
+        return len(payloads)
+
+    def write(self, stored: Sequence[tuple[int, bytes]]) -> None:
+        """Write-through: hand the store each (block, hash) the pool just indexed, unless it
+        holds that hash already. Never blocks on the disk and never raises for the store."""
+        missing = [(block, key) for block, key in stored if not self.store.contains([key])]
+        if not missing:
+            return
+        for (_, key), payload in zip(missing, self.cache.read([block for block, _ in missing]), strict=True):
+            self.num_blocks_written += self.store.put(key, payload)
+
+    def load_fields(self) -> dict:
+        """The tier's part of EngineLoad (engine.stats), but the hit tokens (the scheduler's)."""
+        store = self.store.stats()
+        return dict(kv_tier_decisions=dict(self.decisions), kv_tier_blocks_written=self.num_blocks_written,
+                    kv_tier_bytes=int(store.pop("bytes", 0)),
+                    kv_tier_read_bandwidth=float(store.pop("read_bandwidth", 0.0)),
+                    kv_tier_store={name: int(value) for name, value in store.items()})
+
+    def observe_prefill(self, num_prompt_tokens: int, seconds: float) -> None:
+        """Account a step that computed `num_prompt_tokens` prompt tokens in `seconds`."""
+        if num_prompt_tokens > 0 and seconds > 0:
+            rate = num_prompt_tokens / seconds
+            old = self.prefill_rate
+            self.prefill_rate = rate if old is None else old + PREFILL_RATE_WEIGHT * (rate - old)
+
+    def prefill_seconds(self, num_tokens: int) -> float | None:
+        """Predicted time to prefill `num_tokens` prompt tokens: the profile's model (as the
+        decode worker's local-prefill decision predicts it), else the measured rate; None
+        before any step computed a prompt."""
+        if self.profile is not None:
+            return prefill_seconds(self.profile, num_tokens)
+        return num_tokens / self.prefill_rate if self.prefill_rate else None
+
+    def _load_is_faster(self, num_blocks: int) -> bool:
+        bandwidth = self.store.read_bandwidth()
+        compute_s = self.prefill_seconds(num_blocks * self.block_size)
+        if bandwidth <= 0 or compute_s is None:
+            return True  # unmeasured: loading measures the read
+        return num_blocks * self.cache.block_bytes / bandwidth < compute_s
