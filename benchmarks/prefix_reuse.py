@@ -63,6 +63,8 @@ async def completion(session, url: str, prompt: list[int], max_tokens: int) -> d
                 first = first or time.perf_counter()
                 ids.extend(event["choices"][0]["token_ids"])
     end = time.perf_counter()
+    if first is None:
+        raise RuntimeError(f"the stream ended without a token (usage {usage})")
     return {"ttft_s": first - sent, "tpot_s": (end - first) / (len(ids) - 1) if len(ids) > 1 else None,
             "ids": ids, "sent_at": sent, "output_tokens": len(ids), "prompt_tokens": usage["prompt_tokens"],
             "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]}

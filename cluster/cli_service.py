@@ -346,7 +346,7 @@ def print_status(status: dict) -> None:
                   f"{w.get('dtype') or '-':8}  threads {w.get('num_threads') or '-'!s:>2}  "
                   f"running {s.get('num_running', '-')!s:>4}  waiting {s.get('num_waiting', '-')!s:>4}  "
                   f"queued prefill tokens {s.get('queued_prefill_tokens', '-')!s:>6}  KV used {kv}  "
-                  f"cache hits {hit}  router index {indexed} blocks")
+                  f"cache hits {hit}{_tier_hits(s, looked_up)}  router index {indexed} blocks")
     auto = status.get("autoscaler") or {}
     if auto.get("enabled"):
         overridden = ", ".join(auto["overridden"]) or "none"
@@ -360,6 +360,16 @@ def print_status(status: dict) -> None:
     for e in status["events"][-8:]:
         print(f"  {time.strftime('%H:%M:%S', time.localtime(e['time']))} {e['role']:8} {e['event']:12} "
               f"{e['worker_id']} {e['detail']}")
+
+
+def _tier_hits(stats: dict, looked_up: int) -> str:
+    """A worker's second-KV-tier hits beside its cache hits in `pdserve status` (of the same
+    prompt tokens looked up) and the node's store as it reads it; "" while its tier is off."""
+    store = stats.get("kv_tier_store") or {}
+    if not store:
+        return ""
+    hit = f"{100 * stats.get('kv_tier_hit_tokens', 0) / looked_up:.1f}%" if looked_up else "-"
+    return f" + tier {hit} (node store {stats.get('kv_tier_bytes', 0) / 2**20:.0f} MiB, {store.get('files', 0)} blocks)"
 
 
 def _scale(args) -> int:

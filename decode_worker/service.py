@@ -184,9 +184,9 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
 
     async def _admit(self, request_id: str, ids: list[int], params: SamplingParams, addresses: list[str],
                      transport: str, prefill_queued_tokens: int = 0) -> tuple[RequestOutput | None, str]:
-        """Prefill the request where `_where_to_prefill` says (remotely, only what this
-        worker's prefix cache lacks, or here) and admit it to the batch. Returns the
-        first-token output when prefilled remotely (None when prefilled locally)."""
+        """Prefill the request where `_where_to_prefill` says (remotely, only what neither
+        this worker's prefix cache nor its KV tier holds, or here) and admit it to the batch.
+        Returns the first-token output when prefilled remotely (None when prefilled locally)."""
         async with self.aengine.lock:  # engine state is stable between steps
             cached = self.admission.cached_tokens(ids) if addresses else 0
             where, reason = self._where_to_prefill(len(ids), cached, bool(addresses), prefill_queued_tokens)
@@ -264,8 +264,9 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
         self.prefill_decisions[key] = self.prefill_decisions.get(key, 0) + 1
 
     async def _reserve(self, request_id: str, ids: list[int]) -> int:
-        """Reserve blocks for the prompt (sharing its cached prefix), waiting (FIFO) until
-        enough are free; returns how many leading tokens the shared blocks hold."""
+        """Reserve blocks for the prompt (sharing its cached prefix, loading what the KV tier
+        holds after it: KVSchedulerSide.reserve), waiting (FIFO) until enough are free;
+        returns how many leading tokens the shared and loaded blocks hold."""
         future = asyncio.get_running_loop().create_future()
         self._block_waiters.append((request_id, ids, future))
         await self._try_reserve()

@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 Listener = Callable[[RequestOutput], None]
 STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+BLOCKED_RECHECK_S = 0.05  # a blocked engine (LLMEngine.blocked) looks again this often at most
 
 
 class AsyncEngine:
@@ -52,11 +53,17 @@ class AsyncEngine:
         self._wake.set()
 
     async def stop(self) -> None:
+        """Stop stepping (the running step ends first), then close the second KV tier's
+        store, if any: what it has queued is written (off the event loop) and its writer
+        thread stops, so a graceful stop loses no write-through."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         self._executor.shutdown(wait=True)
         self.step_log.close()
+        tier = getattr(self.engine, "kv_tier", None)
+        if tier is not None:
+            await asyncio.to_thread(tier.store.close)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -90,6 +97,17 @@ class AsyncEngine:
                     listener(output)
             for callback in self.after_step:
                 callback()
+            if self.engine.blocked:  # nothing can run until a reservation is admitted or released
+                await self._wait_for_change()
+
+    async def _wait_for_change(self) -> None:
+        """Wait until someone wakes the loop (an admission, a new or released request), or
+        BLOCKED_RECHECK_S at most (a release that did not wake it), instead of spinning."""
+        self._wake.clear()
+        try:
+            await asyncio.wait_for(self._wake.wait(), BLOCKED_RECHECK_S)
+        except TimeoutError:
+            self._wake.set()
 
     def _timed_step(self) -> tuple[list[RequestOutput], float]:
         """engine.step() and the CPU seconds this thread spent in it (the step log's "u")."""

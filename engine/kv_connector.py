@@ -1,11 +1,13 @@
 """The engine's KV connector: where KV computed by another engine comes in and KV computed
 here goes out, in two roles (after vLLM V1's KV connector).
 
-Scheduler side (`KVConnector.scheduler_side`), bookkeeping without tensors: say how much
-of a prompt this engine's prefix cache holds; reserve a prompt's blocks for KV that will
-arrive from elsewhere (the cached prefix shared, the admission headroom checked by the
-scheduler); admit the request once its KV has landed; release a reservation never
-admitted. Also the prefix cache's identity and its change log, for routers.
+Scheduler side (`KVConnector.scheduler_side`), bookkeeping (tensors only as the tier
+loads): say how much of a prompt this engine holds (its prefix cache, then its second KV
+tier's blocks after that prefix, engine.kv_tier); reserve a prompt's blocks for KV that
+will arrive from elsewhere (the cached prefix shared, the tier's blocks loaded into the
+reservation, the admission headroom checked by the scheduler); admit the request once its
+KV has landed; release a reservation never admitted. Also the prefix cache's identity and
+its change log, for routers.
 
 Worker side (`KVConnector.worker_side`), the paged KV cache as tensors: the cache a
 receiver writes arriving KV into (only slots of blocks reserved on the scheduler side:
@@ -30,6 +32,7 @@ import torch
 from pdserve.engine.cache_events import CacheDelta  # what `cache_events` answers, part of this API
 
 if TYPE_CHECKING:
+    from pdserve.engine.kv_tier import TierPlan
     from pdserve.engine.model_runner import KVHook, ModelRunner
     from pdserve.engine.outputs import RequestOutput, TokenLogprob
     from pdserve.engine.sampling_params import SamplingParams
@@ -61,17 +64,24 @@ class KVSchedulerSide:
         return len(self._reserved)
 
     def cached_tokens(self, prompt_token_ids: Sequence[int]) -> int:
-        """How many leading prompt tokens the prefix cache holds (whole blocks, always short
-        of the last token, which must be computed to sample). Changes nothing."""
-        return len(self._cached_prefix(prompt_token_ids)) * self._blocks.block_size
+        """How many leading prompt tokens `reserve` would find held here now: the prefix
+        cache's blocks, then the blocks after them that the second KV tier holds when it
+        would load them (engine.kv_tier's decision); whole blocks, always short of the last
+        token, which must be computed to sample. Changes nothing."""
+        prefix = self._cached_prefix(prompt_token_ids)
+        plan = self._tier_plan(prompt_token_ids, len(prefix))
+        return (len(prefix) + (plan.num_blocks if plan else 0)) * self._blocks.block_size
 
     def reserve(self, request_id: str, prompt_token_ids: Sequence[int]) -> int | None:
         """Reserve blocks for the whole prompt of a request the engine does not run yet,
-        starting with the cached blocks of its prefix (shared). Returns how many leading
-        tokens those hold (their KV need not arrive), or None, changing nothing, when the
-        engine cannot take the request now (`Scheduler.can_take_prefilled`: its sequence cap
-        and KV headroom, open reservations counted) or too few blocks are free.
-        ValueError if the engine runs a request `request_id`."""
+        starting with the cached blocks of its prefix (shared), then loading into the blocks
+        after them what the second KV tier holds, when that beats computing it (engine.kv_tier:
+        read here, synchronously, up to the first block the store cannot give back; loaded
+        blocks are committed to the prefix cache and counted tier hits). Returns how many
+        leading tokens the shared and loaded blocks hold (their KV need not arrive), or None,
+        changing nothing, when the engine cannot take the request now
+        (`Scheduler.can_take_prefilled`: its sequence cap and KV headroom, open reservations
+        counted) or too few blocks are free. ValueError if the engine runs a request `request_id`."""
         num_tokens = len(prompt_token_ids)
         if not self._scheduler.can_take_prefilled(num_tokens, len(self._reserved)):
             return None
@@ -83,7 +93,7 @@ class KVSchedulerSide:
         cached = len(prefix) * self._blocks.block_size
         self._scheduler.count_lookup(num_tokens, cached)
         self._reserved.add(request_id)
-        return cached
+        return cached + self._load_from_tier(request_id, prompt_token_ids, len(prefix))
 
     def admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, first_token: int,
               num_cached_tokens: int = 0, first_logprob: TokenLogprob | None = None,
@@ -127,6 +137,27 @@ class KVSchedulerSide:
 
     def _cached_prefix(self, prompt_token_ids: Sequence[int]) -> list[int]:
         return self._blocks.cached_prefix(list(prompt_token_ids[:-1]))
+
+    def _tier_plan(self, prompt_token_ids: Sequence[int], num_prefix_blocks: int) -> TierPlan | None:
+        """What the tier holds of the prompt's full blocks past its pooled prefix (never the
+        last token) and whether to load it; None without a tier or when it holds none."""
+        tier = self._scheduler.tier
+        return tier.plan(list(prompt_token_ids[:-1]), num_prefix_blocks) if tier is not None else None
+
+    def _load_from_tier(self, request_id: str, prompt_token_ids: Sequence[int], num_prefix_blocks: int) -> int:
+        """Carry out the tier's plan into the reservation's blocks after its pooled prefix,
+        commit the blocks loaded (their content is final) and count them; the tokens loaded."""
+        plan = self._tier_plan(prompt_token_ids, num_prefix_blocks)
+        if plan is None:
+            return 0
+        block_size = self._blocks.block_size
+        blocks = self._blocks.block_table(request_id)[num_prefix_blocks:]
+        loaded = self._scheduler.tier.apply(plan, blocks) * block_size
+        if loaded:  # the store holds them: nothing to write through
+            self._blocks.commit(request_id, num_prefix_blocks * block_size + loaded,
+                                lambda start, end: list(prompt_token_ids[start:end]))
+            self._scheduler.num_tier_hit_tokens += loaded
+        return loaded
 
 
 class KVWorkerSide:

@@ -91,6 +91,7 @@ _EWMA_ALPHA = 0.1
 _PROBE_BYTES = 1 << 20
 _PROBE_READS = 4
 _CONTAINS_CHUNK = 64
+_MAX_CHANGES = 1 << 16  # recorded changes awaiting drain_changes; past this they are lost (it says so)
 
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS blocks (key BLOB PRIMARY KEY, size INTEGER NOT NULL,"
@@ -213,6 +214,8 @@ class KVStore:
         self._reader: sqlite3.Connection | None = None
         self._writer: sqlite3.Connection | None = None  # the writer thread's, once started
         self._thread: threading.Thread | None = None
+        self._changes: deque[tuple[bytes, bool]] | None = None  # (key, written?) for drain_changes, once watched
+        self._changes_lost = False
         try:
             if self.budget_bytes <= 0:
                 raise ValueError(f"budget_bytes is {self.budget_bytes}")
@@ -274,6 +277,38 @@ class KVStore:
             if not _is_busy(e):
                 self._degrade("off", f"index unreadable: {e}")
         return found
+
+    def keys(self) -> list[bytes]:
+        """Every key the index holds, node-wide (one query; [] when the store is off)."""
+        try:
+            with self._reader_lock:
+                if self._reader is None or not self.enabled:
+                    return []
+                return [key for (key,) in self._reader.execute("SELECT key FROM blocks")]
+        except sqlite3.Error as e:
+            if not _is_busy(e):
+                self._degrade("off", f"index unreadable: {e}")
+            return []
+
+    def watch_changes(self) -> None:
+        """Record, from now on, each change this store object makes to the index (blocks it
+        writes, evicts or drops) for `drain_changes`. Other processes' stores record theirs."""
+        with self._cond:
+            if self._changes is None:
+                self._changes = deque()
+
+    def drain_changes(self) -> list[tuple[bytes, bool]] | None:
+        """The changes recorded since the last call (`watch_changes`), oldest first, as
+        (key, True: written | False: evicted or dropped), each once its transaction
+        committed; None when more than 65536 piled up undrained and some were lost (the
+        caller re-reads `keys()`). Any thread."""
+        with self._cond:
+            if self._changes is None:
+                return []
+            changes, lost = list(self._changes), self._changes_lost
+            self._changes.clear()
+            self._changes_lost = False
+        return None if lost else changes
 
     def get(self, key: bytes) -> bytes | None:
         """The payload stored under `key`, verified against its header and checksum, or None:
@@ -430,15 +465,16 @@ class KVStore:
         headers = {op.key: _header(op.key, op.data) for op in puts}  # the CRCs, outside the lock
         counts = dict.fromkeys(("written", "skipped", "evicted", "corrupt"), 0)
         renamed: list[str] = []
+        changes: list[tuple[bytes, bool]] = []  # (key, written?) in the transaction, for drain_changes
         try:
             with _write_transaction(self._writer):
                 self._writer.executemany("UPDATE blocks SET last_used = max(last_used, ?) WHERE key = ?",
                                          [(stamp, key) for key, stamp in touches.items()])
                 for op in ops:
                     if op.kind == "put":
-                        self._write(op, headers[op.key], counts, renamed)
+                        self._write(op, headers[op.key], counts, renamed, changes)
                     elif op.kind == "forget":
-                        self._forget(op.key, op.stamp)
+                        self._forget(op.key, op.stamp, changes)
         except Exception as e:  # whatever failed, the batch is lost and the store degrades
             for path in renamed:  # their rows were rolled back: do not leave them unindexed
                 try:
@@ -457,17 +493,20 @@ class KVStore:
         with self._cond:
             for name, n in counts.items():
                 self._counts[name] += n
+            self._record(changes)
 
-    def _write(self, op: _Op, header: bytes, counts: dict[str, int], renamed: list[str]) -> None:
+    def _write(self, op: _Op, header: bytes, counts: dict[str, int], renamed: list[str],
+               changes: list[tuple[bytes, bool]]) -> None:
         """Inside the write transaction: skip a stored key (recording its use), else index
-        it, evict to the budget and write its file."""
+        it, evict to the budget and write its file; `changes` gains the evicted keys, then
+        the written one."""
         db = self._writer
         if db.execute("SELECT 1 FROM blocks WHERE key = ?", (op.key,)).fetchone():
             db.execute("UPDATE blocks SET last_used = max(last_used, ?) WHERE key = ?", (op.stamp, op.key))
             counts["skipped"] += 1
             return
         db.execute("INSERT INTO blocks VALUES (?, ?, ?)", (op.key, len(header) + len(op.data), op.stamp))
-        counts["evicted"] += self._evict(keep=op.key)
+        counts["evicted"] += self._evict(keep=op.key, changes=changes)
         path = self._path(op.key)
         tmp = path + TMP_SUFFIX
         try:
@@ -483,10 +522,12 @@ class KVStore:
             raise
         renamed.append(path)
         counts["written"] += 1
+        changes.append((op.key, True))
 
-    def _evict(self, keep: bytes = b"") -> int:
+    def _evict(self, keep: bytes = b"", changes: list[tuple[bytes, bool]] | None = None) -> int:
         """Inside the write transaction: drop least recently used rows but `keep`, and their
-        files, until the indexed bytes fit the budget. Returns how many."""
+        files, until the indexed bytes fit the budget (each appended to `changes` as
+        (key, False)). Returns how many."""
         db, evicted = self._writer, 0
         while True:
             excess = db.execute("SELECT bytes FROM usage").fetchone()[0] - self.budget_bytes
@@ -501,6 +542,8 @@ class KVStore:
                 if excess <= 0:
                     break
             db.executemany("DELETE FROM blocks WHERE key = ?", [(key,) for key in chosen])
+            if changes is not None:
+                changes.extend((key, False) for key in chosen)
             for key in chosen:
                 try:
                     os.unlink(self._path(key))
@@ -508,18 +551,22 @@ class KVStore:
                     pass
             evicted += len(chosen)
 
-    def _forget(self, key: bytes, ident: tuple[int, int, int] | None) -> None:
+    def _forget(self, key: bytes, ident: tuple[int, int, int] | None, changes: list[tuple[bytes, bool]]) -> None:
         """Inside the write transaction: drop `key`'s row if its file is gone, or delete the
-        file and the row if it is still the bad file a get saw (`ident`)."""
+        file and the row if it is still the bad file a get saw (`ident`); `changes` gains
+        (key, False) if a row went."""
         path = self._path(key)
         try:
             st = os.stat(path)
         except FileNotFoundError:
-            self._writer.execute("DELETE FROM blocks WHERE key = ?", (key,))
-            return
-        if ident is not None and (st.st_ino, st.st_size, st.st_mtime_ns) == ident:
+            dropped = self._writer.execute("DELETE FROM blocks WHERE key = ?", (key,)).rowcount
+        else:
+            if ident is None or (st.st_ino, st.st_size, st.st_mtime_ns) != ident:
+                return
             os.unlink(path)
-            self._writer.execute("DELETE FROM blocks WHERE key = ?", (key,))
+            dropped = self._writer.execute("DELETE FROM blocks WHERE key = ?", (key,)).rowcount
+        if dropped:
+            changes.append((key, False))
 
     # -- opening -----------------------------------------------------------------------
 
@@ -597,6 +644,16 @@ class KVStore:
             self._counts["misses"] += 1
             if self.writable and not self._stopping and self._queued_bytes + _OP_BYTES <= self.queue_bytes:
                 self._enqueue(_Op("forget", key, stamp=ident))
+
+    def _record(self, changes: list[tuple[bytes, bool]]) -> None:
+        """Keep a committed transaction's changes for drain_changes, if watched (self._cond
+        held); past _MAX_CHANGES undrained, drop them all and say so."""
+        if self._changes is None or not changes:
+            return
+        self._changes.extend(changes)
+        if len(self._changes) > _MAX_CHANGES:
+            self._changes.clear()
+            self._changes_lost = True
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._cond:

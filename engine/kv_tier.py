@@ -18,6 +18,9 @@ loaded back into the pool when that beats recomputing them (docs/design.md, "Sec
 - **Accounting.** Decisions by reason (`DECISIONS`), blocks written; the scheduler counts
   the tokens loaded (`Scheduler.num_tier_hit_tokens`) apart from the pool's hits, and
   counts them in the request's cached tokens.
+- **Events.** Given the block manager's event log, the tier has it carry the store's
+  changes (blocks this process's store wrote and evicted) and, in resets, the store's keys,
+  so routers know which blocks the node's tier holds (engine.cache_events).
 
 Threads: everything here runs on the engine thread (a step's scheduling and commits), or
 between steps under the driver's lock (a KV connector admission commits its blocks).
@@ -34,6 +37,7 @@ from typing import Protocol
 import torch
 
 from pdserve.engine.block_hash import prefix_hashes
+from pdserve.engine.cache_events import CacheEventLog
 from pdserve.engine.profile import Profile, prefill_seconds
 
 DECISIONS = ("load", "recompute: slower", "load failed")  # the reasons counted, per request with blocks in the store
@@ -48,6 +52,7 @@ class Store(Protocol):
     def get(self, key: bytes) -> bytes | None: ...
     def read_bandwidth(self) -> float: ...
     def stats(self) -> dict[str, int | float]: ...
+    # and, for an event log (CacheEventLog.attach_tier): root, watch_changes, drain_changes, keys
 
 
 class BlockCopies(Protocol):
@@ -113,10 +118,13 @@ class KVTier:
     """The tier's engine side (see the module docstring): `plan` and `apply` when a request
     is admitted, `write` at commits, `observe_prefill` after steps. `profile`: a latency
     profile (engine.profile) to predict prefill time with instead of the measured rate,
-    where the engine's owner has one."""
+    where the engine's owner has one. `events`: the block manager's event log, to carry the
+    store's changes and keys (named by the store's resolved directory)."""
 
     def __init__(self, store: Store, cache: BlockCopies, block_size: int, root: bytes,
-                 profile: Profile | None = None) -> None:
+                 profile: Profile | None = None, events: CacheEventLog | None = None) -> None:
+        if events is not None:
+            events.attach_tier(store, str(Path(store.root).resolve()))
         self.store, self.cache = store, cache
         self.block_size, self.root = block_size, root
         self.profile = profile

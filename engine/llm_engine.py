@@ -61,6 +61,10 @@ class LLMEngine:
         self.scheduler.tier = self.kv_tier
         self._tracked: dict[str, _Tracked] = {}
         self._reserved: set[str] = set()  # requests whose blocks await KV from elsewhere (kv_connector)
+        # the last step scheduled nothing although requests wait: every block they could take
+        # is held by a reservation (KV arriving from elsewhere), so steps make no progress
+        # until one is admitted or released (engine.async_engine waits for that)
+        self.blocked = False
         self._seed_source = random.Random(config.seed)
         self.last_step_sequences = 0  # requests the last step computed tokens of
         self.last_step_shape = StepShape()  # what the last step computed (the latency model's terms)
@@ -91,7 +95,8 @@ class LLMEngine:
                            store.disabled_reason)
             store.close()
             return None
-        return KVTier(store, CacheBlocks(self.runner.kv_cache), self.config.block_size, self.block_manager.root)
+        return KVTier(store, CacheBlocks(self.runner.kv_cache), self.config.block_size, self.block_manager.root,
+                      events=self.block_manager.events)
 
     @property
     def tokenizer(self):
@@ -234,9 +239,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return an output for every request that produced a token."""
         scheduled = self.scheduler.schedule()
-        if scheduled.is_empty:
-            if self.scheduler.has_unfinished():
+        self.blocked = scheduled.is_empty and self.scheduler.has_unfinished()
+        if self.blocked:
+            if not self._reserved:
                 raise RuntimeError("scheduler made no progress with requests pending")
+            return []  # the waiting requests' blocks are held by reservations: their KV arrives, or they go
+        if scheduled.is_empty:
             return []
         started = time.perf_counter()
         result = self.runner.execute(scheduled)

@@ -222,18 +222,24 @@ class TransferStats(_message.Message):
     def __init__(self, transport: _Optional[str] = ..., direction: _Optional[str] = ..., bytes: _Optional[int] = ..., seconds: _Optional[_Union[Histogram, _Mapping]] = ..., failures: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class CacheEventsReply(_message.Message):
-    __slots__ = ("next_cursor", "reset", "stored", "removed", "since")
+    __slots__ = ("next_cursor", "reset", "stored", "removed", "since", "tier_stored", "tier_removed", "tier")
     NEXT_CURSOR_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
     STORED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     SINCE_FIELD_NUMBER: _ClassVar[int]
+    TIER_STORED_FIELD_NUMBER: _ClassVar[int]
+    TIER_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     next_cursor: int
     reset: bool
     stored: _containers.RepeatedScalarFieldContainer[int]
     removed: _containers.RepeatedScalarFieldContainer[int]
     since: int
-    def __init__(self, next_cursor: _Optional[int] = ..., reset: bool = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ..., since: _Optional[int] = ...) -> None: ...
+    tier_stored: _containers.RepeatedScalarFieldContainer[int]
+    tier_removed: _containers.RepeatedScalarFieldContainer[int]
+    tier: str
+    def __init__(self, next_cursor: _Optional[int] = ..., reset: bool = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ..., since: _Optional[int] = ..., tier_stored: _Optional[_Iterable[int]] = ..., tier_removed: _Optional[_Iterable[int]] = ..., tier: _Optional[str] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("cursor", "interval_ms", "heartbeat_ms")

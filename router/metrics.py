@@ -30,9 +30,9 @@ POOLS = ("prefill", "decode")
 
 
 class WorkerTotals:
-    """Counters the workers keep (prefix cache, prefill decisions, KV bytes), summed per
-    pool from their latest Stats when Prometheus scrapes. A worker that leaves takes its
-    counts along, which Prometheus reads as a counter reset."""
+    """Counters the workers keep (prefix cache, the second KV tier's hits, prefill
+    decisions, KV bytes), summed per pool from their latest Stats when Prometheus scrapes.
+    A worker that leaves takes its counts along, which Prometheus reads as a counter reset."""
 
     def __init__(self, workers) -> None:
         self.workers = workers
@@ -42,6 +42,8 @@ class WorkerTotals:
                                       labels=["pool"])
         hits = CounterMetricFamily("pdserve_prefix_cache_hit_tokens", "prompt tokens found in a prefix cache",
                                    labels=["pool"])
+        tier_hits = CounterMetricFamily("pdserve_kv_tier_hit_tokens", "prompt tokens loaded from a node's KV tier "
+                                        "(apart from prefix_cache_hit_tokens: a worker's own cache)", labels=["pool"])
         decisions = CounterMetricFamily("pdserve_prefill_decisions", "where decode workers had prompts prefilled",
                                         labels=["where", "reason"])
         shipped = CounterMetricFamily("pdserve_kv_transfer_bytes", "KV bytes prefill workers shipped to decode "
@@ -55,6 +57,7 @@ class WorkerTotals:
             stats = [v.stats for v in self.workers.workers(pool, routable=False) if v.stats is not None]
             queries.add_metric([pool], sum(s.prefix_cache_queries for s in stats))
             hits.add_metric([pool], sum(s.prefix_cache_hit_tokens for s in stats))
+            tier_hits.add_metric([pool], sum(s.kv_tier_hit_tokens for s in stats))
             shipped.add_metric([pool], sum(s.kv_bytes_sent + s.kv_bytes_received for s in stats))
             for s in stats:
                 worker_hit_rate.add_metric([pool, s.worker_id],
@@ -64,7 +67,7 @@ class WorkerTotals:
                     by_decision[where, reason] = by_decision.get((where, reason), 0) + count
         for (where, reason), count in sorted(by_decision.items()):
             decisions.add_metric([where, reason], count)
-        yield from (queries, hits, decisions, shipped, worker_hit_rate)
+        yield from (queries, hits, tier_hits, decisions, shipped, worker_hit_rate)
 
 
 @dataclass(frozen=True)

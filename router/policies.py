@@ -19,9 +19,14 @@ class RouteRequest:
     num_tokens: int  # prompt length
     session: str | None = None  # the client's `user` field, if any
     matched: dict[str, int] = field(default_factory=dict)  # worker id -> leading prompt tokens it has cached
+    tier_matched: dict[str, int] = field(default_factory=dict)  # worker id -> the prompt tokens after those
+    # that its node's second KV tier holds (it would load them rather than compute them)
 
-    def cached_on(self, view: WorkerView) -> int:
-        return self.matched.get(view.worker_id, 0)
+    def cached_on(self, view: WorkerView, tier_weight: float = 1) -> float:
+        """The prompt tokens `view`'s worker is expected to reuse: those in its KV cache plus
+        `tier_weight` x those after them in its node's KV tier (1, the default: count them alike;
+        an int then)."""
+        return self.matched.get(view.worker_id, 0) + tier_weight * self.tier_matched.get(view.worker_id, 0)
 
 
 @dataclass(frozen=True)
@@ -31,15 +36,23 @@ class CacheAwareWeights:
     `request_tokens`: what one open request on a decode worker costs the next one there
     (its share of every decode step); the default makes a hot prefix of 1024 cached tokens
     worth 4 more open requests before a request goes elsewhere. `kv_tokens`: what a worker
-    whose KV cache is full costs (scaled by the fraction in use)."""
+    whose KV cache is full costs (scaled by the fraction in use). `tier_hit`: what a prompt
+    token found in the worker's node's second KV tier is worth, one in its own KV cache being
+    worth 1 and a miss 0 (a tier hit is loaded, not computed, but loading costs time and the
+    worker may recompute instead; Dynamo weighs one 0.75 too)."""
 
     request_tokens: int = field(default=256, metadata={
         "help": "cache-aware: prompt tokens one open request on a decode worker is worth"})
     kv_tokens: int = field(default=512, metadata={"help": "cache-aware: prompt tokens a full KV cache is worth"})
+    tier_hit: float = field(default=0.75, metadata={
+        "help": "cache-aware: what a prompt token in the worker's node's KV tier is worth, 0..1 (1: one in "
+                "its own KV cache, 0: a miss)"})
 
     def __post_init__(self) -> None:
         if self.request_tokens < 0 or self.kv_tokens < 0:
             raise ValueError(f"cache-aware weights must be >= 0: {self}")
+        if not 0 <= self.tier_hit <= 1:
+            raise ValueError(f"cache-aware tier_hit must be within 0..1: {self}")
 
 
 class RoutingPolicy(ABC):
@@ -102,11 +115,12 @@ class CacheAware(RoutingPolicy):
         cost = uncached prompt tokens + its queued prompt tokens
                + request_tokens x open requests + kv_tokens x KV fraction in use
 
+    where a prompt token in the worker's node's KV tier counts `tier_hit` cached (weights),
     so the worker holding a conversation's KV wins until it is busier than the reuse is
     worth, and a hot prefix spreads once its worker is loaded. A request naming a session
     (`user`) counts its whole prompt as cached on the decode worker that served that session
     last. Ties go to the least loaded. Prefill: fewest prompt tokens its own cache lacks plus
-    queued ones."""
+    queued ones (its node's tier weighed likewise)."""
 
     name = "cache-aware"
     max_sessions = 100_000
@@ -124,7 +138,7 @@ class CacheAware(RoutingPolicy):
         each load term computed once. `sticky`: the decode worker that served the request's
         session last (None: no session, or none remembered)."""
         busy, free = decode_busy(view), kv_free_fraction(view)
-        cached = request.cached_on(view)
+        cached = request.cached_on(view, self.weights.tier_hit)
         if sticky is not None and sticky == view.worker_id:
             cached = max(cached, request.num_tokens - 1)
         queued = view.stats.queued_prefill_tokens if view.stats else 0
@@ -146,8 +160,9 @@ class CacheAware(RoutingPolicy):
         # A prefill worker computes every prompt token its own cache lacks (the decode
         # worker's cached blocks spare the shipping, not the computing: later tokens attend
         # to them), so its cost is what it lacks plus its queue.
-        return sorted(workers, key=lambda v: (request.num_tokens - request.cached_on(v) + v.queued_prefill_tokens,
-                                              v.tiebreak, v.worker_id))
+        tier_hit = self.weights.tier_hit
+        return sorted(workers, key=lambda v: (request.num_tokens - request.cached_on(v, tier_hit)
+                                              + v.queued_prefill_tokens, v.tiebreak, v.worker_id))
 
 
 POLICIES = {cls.name: cls for cls in (CacheAware, LeastLoaded, RoundRobin)}

@@ -12,7 +12,8 @@ lists (dead, removed) is dropped, with its cache index, at the next refresh.
 
 A cache delta applies only on top of the cursor the index holds (its `since`): one that does
 not (events missed) makes the registry resubscribe from cursor 0, which answers with the
-whole cache.
+whole cache. The index files a worker's second-KV-tier events under its node (`node`, from
+the membership source; a static worker is a node of its own).
 """
 
 from __future__ import annotations
@@ -237,7 +238,7 @@ class WorkerRegistry:
             info = await view.stub.Info(pb.InfoRequest(), timeout=5)
             view.caches = info.prefix_caching
             if view.caches:
-                index.add_worker(view.worker_id, info.cache_root, info.layout.block_size)
+                index.add_worker(view.worker_id, info.cache_root, info.layout.block_size, view.node)
         request = pb.WatchRequest(cursor=index.cursor(view.worker_id), interval_ms=round(1e3 * self.stats_s),
                                   heartbeat_ms=round(1e3 * HEARTBEAT_S))
         call = view.stub.Watch(request)
@@ -258,7 +259,8 @@ class WorkerRegistry:
             self.mark_unhealthy(view)
         if update.HasField("cache") and view.worker_id in self._views:
             c = update.cache
-            if not self.cache_index.apply(view.worker_id, c.next_cursor, c.reset, c.stored, c.removed, since=c.since):
+            if not self.cache_index.apply(view.worker_id, c.next_cursor, c.reset, c.stored, c.removed, since=c.since,
+                                          tier_stored=c.tier_stored, tier_removed=c.tier_removed, tier=c.tier):
                 self.resyncs += 1
                 logger.warning("cache events of %s missed (delta after %d, index at %d): resyncing", view.worker_id,
                                c.since, self.cache_index.cursor(view.worker_id))

@@ -78,9 +78,11 @@ class Router:
 
     def route_request(self, prompt: PromptKeys, session: str | None) -> RouteRequest:
         """What the policy knows of a request: its length, session, and the leading prompt
-        tokens each routable worker is expected to have cached."""
+        tokens each routable worker is expected to have cached, and those after them its
+        node's KV tier holds."""
         ids = [v.worker_id for role in ("decode", "prefill") for v in self.registry.candidates(role)]
-        return RouteRequest(len(prompt.token_ids), session, self.registry.cache_index.matched_all(ids, prompt))
+        matched, tiered = self.registry.cache_index.matched_by_tier(ids, prompt)
+        return RouteRequest(len(prompt.token_ids), session, matched, tiered)
 
     def pick_decode(self, route: RouteRequest, exclude: set[str] = frozenset()) -> WorkerView:
         workers = [w for w in self.registry.candidates("decode") if w.worker_id not in exclude]

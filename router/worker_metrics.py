@@ -9,12 +9,20 @@ workers report through the router rather than serve Prometheus themselves). Labe
     pdserve_worker_decode_tokens_computed_total             generated positions computed
     pdserve_worker_prefix_cache_hit_tokens_total            prompt tokens found cached
     pdserve_worker_prefix_cache_query_tokens_total          prompt tokens looked up
+    pdserve_worker_kv_tier_hit_tokens_total                 prompt tokens loaded from the node's KV tier
+    pdserve_worker_kv_tier_decisions_total{reason}          requests whose next blocks the tier held, by
+                                                            what was done (load | recompute: slower | load failed)
+    pdserve_worker_kv_tier_blocks_written_total             blocks the worker wrote through to the tier
+    pdserve_worker_kv_tier_bytes / _blocks                  what the node's tier holds, as the worker reads it
+    pdserve_worker_kv_tier_read_bandwidth_bytes_per_second  what the worker's tier reads measured
     pdserve_worker_step_seconds (histogram)                 each engine step's wall time
     pdserve_worker_batch_size (histogram)                   sequences per engine step
     pdserve_kv_transfer_worker_bytes_total{transport,direction}
     pdserve_kv_transfer_seconds (histogram){transport,direction}   first piece to last
     pdserve_kv_transfer_bandwidth_bytes_per_second{transport,direction}  bytes / seconds, mean
     pdserve_kv_transfer_failures_total{transport,direction,reason}
+
+The kv_tier series are there for workers with the second KV tier on (engine.kv_tier) only.
 """
 
 from __future__ import annotations
@@ -67,6 +75,7 @@ class WorkerMetrics:
                                       "second of transfer, over the worker's transfers", labels=_TRANSFER)
         failures = CounterMetricFamily("pdserve_kv_transfer_failures", "KV transfers that failed, by reason",
                                        labels=[*_TRANSFER, "reason"])
+        tier = _TierFamilies()
         for pool in POOLS:
             for view in self.workers.workers(pool, routable=False):
                 s = view.stats
@@ -86,6 +95,8 @@ class WorkerMetrics:
                 counters["prefix_cache_query_tokens"].add_metric(labels, s.prefix_cache_query_tokens)
                 steps.add_metric(labels, _buckets(s.step_seconds), s.step_seconds.sum)
                 batch.add_metric(labels, _buckets(s.batch_size), s.batch_size.sum)
+                if s.kv_tier_store:  # the tier is on
+                    tier.add(labels, s)
                 for t in s.transfers:
                     key = [*labels, t.transport, t.direction]
                     moved.add_metric(key, t.bytes)
@@ -93,4 +104,35 @@ class WorkerMetrics:
                     bandwidth.add_metric(key, t.bytes / t.seconds.sum if t.seconds.sum else 0.0)
                     for reason, count in sorted(t.failures.items()):
                         failures.add_metric([*key, reason], count)
-        yield from (*gauges.values(), blocks, *counters.values(), steps, batch, moved, seconds, bandwidth, failures)
+        yield from (*gauges.values(), blocks, *counters.values(), steps, batch, moved, seconds, bandwidth, failures,
+                    *tier.families())
+
+
+class _TierFamilies:
+    """The workers' second-KV-tier series (the module's docstring)."""
+
+    def __init__(self) -> None:
+        self.hits = CounterMetricFamily("pdserve_worker_kv_tier_hit_tokens", "prompt tokens loaded from the node's "
+                                        "KV tier (the worker's own cache's: prefix_cache_hit_tokens)", labels=_WORKER)
+        self.decisions = CounterMetricFamily("pdserve_worker_kv_tier_decisions", "requests whose next blocks the KV "
+                                             "tier held, by what was done", labels=[*_WORKER, "reason"])
+        self.written = CounterMetricFamily("pdserve_worker_kv_tier_blocks_written", "blocks the worker wrote "
+                                           "through to the KV tier", labels=_WORKER)
+        self.bytes = GaugeMetricFamily("pdserve_worker_kv_tier_bytes", "bytes the node's KV tier holds, as the "
+                                       "worker's store reads its index", labels=_WORKER)
+        self.blocks = GaugeMetricFamily("pdserve_worker_kv_tier_blocks", "blocks the node's KV tier holds, as the "
+                                        "worker's store reads its index", labels=_WORKER)
+        self.bandwidth = GaugeMetricFamily("pdserve_worker_kv_tier_read_bandwidth_bytes_per_second", "bytes per "
+                                           "second the worker's KV tier reads measured (0: none yet)", labels=_WORKER)
+
+    def add(self, labels: list[str], s: pb.WorkerStats) -> None:
+        self.hits.add_metric(labels, s.kv_tier_hit_tokens)
+        for reason, count in sorted(s.kv_tier_decisions.items()):
+            self.decisions.add_metric([*labels, reason], count)
+        self.written.add_metric(labels, s.kv_tier_blocks_written)
+        self.bytes.add_metric(labels, s.kv_tier_bytes)
+        self.blocks.add_metric(labels, s.kv_tier_store.get("files", 0))
+        self.bandwidth.add_metric(labels, s.kv_tier_read_bandwidth)
+
+    def families(self):
+        return self.hits, self.decisions, self.written, self.bytes, self.blocks, self.bandwidth

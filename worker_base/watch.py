@@ -1,7 +1,8 @@
 """A worker's pushed updates to one router: the `Watch` RPC's stream (protos/pdserve.proto).
 
 Each update carries the worker's load (its Stats answer) and, when one was read, the change
-of its prefix cache since the cursor the router holds. The worker sends one at once, then one
+of its prefix cache since the cursor the router holds (with the second KV tier, its store's
+changes to the node's tier too: engine.cache_events). The worker sends one at once, then one
 after engine steps at most every `interval_s`, and one every `heartbeat_s` however idle it
 is, so the router hears of load and cache changes within an interval and takes a worker it
 has not heard from for a few heartbeats for hung: no per-worker polling, and a hung worker's
@@ -78,8 +79,9 @@ class UpdateStream:
         update = pb.WorkerUpdate(seq=self.seq, stats=self.aengine.stats(), stalled=self.stalled())
         delta, self.pending = self.pending, None
         if delta is not None:
-            update.cache.CopyFrom(pb.CacheEventsReply(next_cursor=delta.next_cursor, reset=delta.reset,
-                                                      stored=delta.stored, removed=delta.removed, since=delta.since))
+            update.cache.CopyFrom(pb.CacheEventsReply(
+                next_cursor=delta.next_cursor, reset=delta.reset, stored=delta.stored, removed=delta.removed,
+                since=delta.since, tier_stored=delta.tier_stored, tier_removed=delta.tier_removed, tier=delta.tier))
             self.cursor = delta.next_cursor
         return update
 

@@ -12,6 +12,7 @@ class _BlockingEngine:
     def __init__(self) -> None:
         self.release, self.entered = threading.Event(), threading.Event()
         self.pending = True
+        self.blocked = False  # LLMEngine's: the last step could schedule nothing
 
     def has_unfinished_requests(self) -> bool:
         return self.pending

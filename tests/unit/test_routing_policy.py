@@ -135,9 +135,11 @@ def test_router_replicas_count_their_own_requests_and_learn_the_others_from_repo
 
 
 def _old_pick(policy: CacheAware, workers, request):
-    """CacheAware.pick_decode's key as it was (each load term computed twice per worker)."""
+    """CacheAware.pick_decode's key as it was (each load term computed twice per worker),
+    with the node's KV tier's tokens at the weights' `tier_hit`."""
     def cost(v):
-        cached = request.cached_on(v)
+        tier = request.tier_matched.get(v.worker_id, 0)
+        cached = request.matched.get(v.worker_id, 0) + policy.weights.tier_hit * tier
         if request.session is not None and policy._sessions.get(request.session) == v.worker_id:
             cached = max(cached, request.num_tokens - 1)
         queued = v.stats.queued_prefill_tokens if v.stats else 0
@@ -146,14 +148,15 @@ def _old_pick(policy: CacheAware, workers, request):
     return min(workers, key=lambda v: (cost(v), decode_busy(v), -kv_free_fraction(v), v.worker_id))
 
 
-@given(loads=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 3000), st.integers(0, 100), st.integers(0, 1100)),
-                      min_size=1, max_size=8),
+@given(loads=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 3000), st.integers(0, 100), st.integers(0, 1100),
+                                st.integers(0, 1100)), min_size=1, max_size=8),
        num_tokens=st.integers(1, 1200), session=st.sampled_from([None, "s1", "s2"]),
-       weights=st.tuples(st.integers(0, 512), st.integers(0, 1024)))
+       weights=st.tuples(st.integers(0, 512), st.integers(0, 1024), st.sampled_from([0, 0.5, 0.75, 1])))
 @settings(max_examples=300, deadline=None)
 def test_cache_aware_picks_as_it_did_before_its_load_terms_were_computed_once(loads, num_tokens, session, weights):
-    workers = [view(f"d{i}", running=r, queued=q, free=f) for i, (r, q, f, _) in enumerate(loads)]
-    route = RouteRequest(num_tokens, session, {f"d{i}": m for i, (*_, m) in enumerate(loads) if m})
+    workers = [view(f"d{i}", running=r, queued=q, free=f) for i, (r, q, f, _, _) in enumerate(loads)]
+    route = RouteRequest(num_tokens, session, {f"d{i}": m for i, (*_, m, _) in enumerate(loads) if m},
+                         {f"d{i}": t for i, (*_, t) in enumerate(loads) if t})
     policy = CacheAware(CacheAwareWeights(*weights))
     for _ in range(3):  # sessions stick after the first pick
         expected = _old_pick(policy, workers, route)
