@@ -66,6 +66,36 @@ def kv_bytes_per_token() -> int:
     return shape.num_layers * 2 * shape.num_kv_heads * shape.head_dim * dtype.itemsize
 
 
+def recompute_speed(rows: list[dict], bytes_per_token: int, repeats: int = 3) -> dict:
+    """What loading competes with: this machine's prefill of the workload's first prompt
+    (system prompt and first turn, ~1.1k tokens) on the offline engine with the workers'
+    chunk budget and one core's threads (a worker's), the median of `repeats`, as tokens/s
+    and as KV bytes/s (the tokens' KV bytes per second of computing them)."""
+    import statistics
+
+    import torch
+
+    from pdserve.engine.llm import LLM
+    from pdserve.engine.sampling_params import SamplingParams
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        llm = LLM(max_num_batched_tokens=512, max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False)
+        prompt = rows[0]["system_prompt_ids"] + rows[0]["turns"][0]["user_ids"]
+        llm.generate([prompt], SamplingParams(max_tokens=1))  # warm-up
+        seconds = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            llm.generate([prompt], SamplingParams(max_tokens=1))
+            seconds.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    tokens_per_s = len(prompt) / statistics.median(seconds)
+    return {"prompt_tokens": len(prompt), "tokens_per_s": tokens_per_s,
+            "kv_bytes_per_s": tokens_per_s * bytes_per_token}
+
+
 def working_set_tokens(rows: list[dict]) -> int:
     """Distinct prompt tokens the replay's KV covers: each system prompt once, and each
     session's user turns and replies (at most max_tokens each)."""
@@ -175,6 +205,7 @@ def main() -> None:
                         "bytes_per_token": bytes_per_token, "pool_bytes": pool_bytes,
                         "pool_fraction": args.pool_fraction, "tier_budget_bytes": 4 * working * bytes_per_token},
               "configs": {}}
+    result["recompute"] = recompute_speed(rows, bytes_per_token)
     with local_ray(2):
         for name in args.configs.split(","):
             result["configs"][name] = run_config(name, rows, pool_bytes, 4 * working * bytes_per_token,
@@ -185,6 +216,10 @@ def main() -> None:
             result.setdefault("ratios", {})[pair] = {
                 "ttft_p50_off_over_on": off["ttft_s"]["p50"] / on["ttft_s"]["p50"],
                 "prompt_tokens_computed_change": on["prompt_tokens_computed"] / off["prompt_tokens_computed"] - 1}
+    bandwidth = [c["tier"]["read_bandwidth_bytes_per_s"] for c in result["configs"].values()
+                 if c["tier"]["read_bandwidth_bytes_per_s"]]
+    if bandwidth:
+        result["read_over_recompute"] = min(bandwidth) / result["recompute"]["kv_bytes_per_s"]
     write(result, args.out, plot)
 
 
