@@ -42,10 +42,13 @@ with its next transaction (at most ~1 s later).
 **Crashes.** Opening a store sweeps the directory under the write lock: temporary files (a
 writer died mid-write), block files without a row (a writer died between its rename and its
 commit; removed rather than adopted: adopting would need reading and verifying the file,
-for one block per crash) and rows without a file (deleted by hand) go. A row whose file
-vanishes while the store is open is a miss, and the get drops the row.
+for one block per crash) and rows without a file (deleted by hand) go: ~2 us a file here
+(100 ms for 50k files). A row whose file vanishes while the store is open is a miss, and the
+get drops the row. A get reads the file without asking the index, so until the next open a
+file a crash left without its row can still be served (whole and verified, or refused).
 
-**Failures degrade, never raise.** After construction no method raises. A directory that
+**Failures degrade, never raise.** No method raises (misuse aside: a payload that is no
+buffer, a budget that is no number: TypeError). A directory that
 cannot be used at construction gives a store with `enabled` False and the reason; an I/O
 error while writing (ENOSPC, EIO, a removed directory) makes the store read-only (puts
 dropped); a broken index, or an I/O error while reading, turns it off (gets miss). Either
@@ -203,7 +206,7 @@ class KVStore:
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._queue: deque[_Op] = deque()
         self._queued_bytes = 0
-        self._queued_keys: set[bytes] = set()
+        self._queued_keys: dict[bytes, int] = {}  # key of a queued or in-flight put -> its latest use
         self._touches: dict[bytes, int] = {}  # key -> last use, for the writer to record
         self._enqueued = self._done = 0  # operations queued / finished, ever
         self._clock = 0
@@ -237,13 +240,16 @@ class KVStore:
 
     def put(self, key: bytes, payload: bytes | memoryview | bytearray) -> bool:
         """Queue `payload` to be stored under `key`; never waits on disk. True if the block is
-        queued (by this call or an earlier one); False if dropped: the store is not writable,
+        queued (by this call, or by an earlier one: then this call only makes it the most
+        recently used, without moving it in the queue); False if dropped: the store is not writable,
         the queue (`queue_bytes`) is full, the block can never fit the budget, or the key is
-        not 1..64 bytes. A buffer that is not `bytes` is copied before returning."""
-        data = payload if type(payload) is bytes else bytes(payload)
+        not 1..64 bytes. A buffer that is not `bytes` is copied before returning (a payload
+        that is no buffer at all is the one misuse that raises: TypeError)."""
+        data = payload if type(payload) is bytes else memoryview(payload).tobytes()
         with self._cond:
             self._counts["puts"] += 1
-            if key in self._queued_keys:
+            if _valid_key(key) and key in self._queued_keys:  # skipped, but this is its latest use
+                self._queued_keys[key] = self._tick()
                 self._counts["skipped"] += 1
                 return True
             if (not self.writable or self._stopping or not _valid_key(key)
@@ -251,8 +257,8 @@ class KVStore:
                     or self._queued_bytes + len(data) > self.queue_bytes):
                 self._counts["dropped"] += 1
                 return False
-            self._enqueue(_Op("put", key, data, self._tick()))
-            self._queued_keys.add(key)
+            self._queued_keys[key] = self._tick()
+            self._enqueue(_Op("put", key, data, self._queued_keys[key]))
             return True
 
     def contains(self, keys: Sequence[bytes]) -> int:
@@ -416,18 +422,21 @@ class KVStore:
 
     def close(self, *, discard_queued: bool = False) -> None:
         """Write what is queued (or, with `discard_queued`, drop it: counted in `dropped`),
-        stop the writer thread and close the index; the store is then off. Idempotent."""
+        stop the writer thread and close the index; the store is then off. Idempotent. A
+        store never closed loses what it queued when the process exits (its writer thread is
+        a daemon), as a crash would."""
         with self._cond:
             if self._closed:
                 return
             self._closed = self._stopping = True
-            if discard_queued:
+            if discard_queued:  # (a batch the writer holds still completes)
                 for op in self._queue:
-                    self._counts["dropped"] += op.kind == "put"
+                    self._queued_bytes -= op.queued_bytes
+                    if op.kind == "put":
+                        self._counts["dropped"] += 1
+                        del self._queued_keys[op.key]
                 self._done += len(self._queue)
                 self._queue.clear()
-                self._queued_keys.clear()
-                self._queued_bytes = 0
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join()
@@ -443,6 +452,7 @@ class KVStore:
                 if not self._queue and not self._stopping:
                     self._cond.wait(_TOUCH_INTERVAL_S)
                 ops = [self._queue.popleft() for _ in range(min(len(self._queue), _BATCH_OPS))]
+                ops = [op._replace(stamp=self._queued_keys[op.key]) if op.kind == "put" else op for op in ops]
                 touches, self._touches = self._touches, {}
                 last = self._stopping and not self._queue
             if ops or touches:
@@ -450,7 +460,9 @@ class KVStore:
             with self._cond:
                 for op in ops:
                     self._queued_bytes -= op.queued_bytes
-                    self._queued_keys.discard(op.key)
+                    latest = self._queued_keys.pop(op.key, op.stamp) if op.kind == "put" else op.stamp
+                    if latest != op.stamp:  # put again while being written: a use for the next batch
+                        self._touches[op.key] = max(latest, self._touches.get(op.key, 0))
                 self._done += len(ops)
                 self._cond.notify_all()
             if last:
@@ -463,7 +475,7 @@ class KVStore:
             self._count("dropped", len(puts))
             return
         headers = {op.key: _header(op.key, op.data) for op in puts}  # the CRCs, outside the lock
-        counts = dict.fromkeys(("written", "skipped", "evicted", "corrupt"), 0)
+        counts = dict.fromkeys(("written", "skipped", "evicted"), 0)
         renamed: list[str] = []
         changes: list[tuple[bytes, bool]] = []  # (key, written?) in the transaction, for drain_changes
         try:
@@ -510,7 +522,15 @@ class KVStore:
         path = self._path(op.key)
         tmp = path + TMP_SUFFIX
         try:
-            with open(tmp, "wb") as f:
+            try:
+                f = open(tmp, "wb")
+            except FileNotFoundError:  # the shard's first block (a removed root stays removed: no parents)
+                try:
+                    os.mkdir(os.path.dirname(tmp))
+                except FileExistsError:
+                    pass
+                f = open(tmp, "wb")
+            with f:
                 f.write(header)
                 f.write(op.data)
             os.replace(tmp, path)
@@ -571,8 +591,7 @@ class KVStore:
     # -- opening -----------------------------------------------------------------------
 
     def _open(self) -> None:
-        for shard in range(256):
-            (self.root / f"{shard:02x}").mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(parents=True, exist_ok=True)  # shard directories come with their first block
         self._writer = self._connect()
         if self._writer.execute("PRAGMA journal_mode = WAL").fetchone()[0].lower() != "wal":
             raise sqlite3.OperationalError("the index cannot use WAL mode")
@@ -594,13 +613,15 @@ class KVStore:
         row, drop rows without a file, evict to this store's budget."""
         db = self._writer
         indexed = {key for (key,) in db.execute("SELECT key FROM blocks")}
-        present, removed = set(), 0
+        present, removed, shards = set(), 0, []
         for entry in os.scandir(self.root):
-            if entry.name.endswith(TMP_SUFFIX) and entry.is_file():  # a probe's scratch file
+            if entry.is_dir(follow_symlinks=False):
+                shards.append(entry.path)
+            elif entry.name.endswith(TMP_SUFFIX):  # a probe's scratch file
                 os.unlink(entry.path)
                 removed += 1
-        for shard in range(256):
-            for entry in os.scandir(self.root / f"{shard:02x}"):
+        for shard in shards:
+            for entry in os.scandir(shard):
                 if entry.is_dir(follow_symlinks=False):  # not ours to remove
                     continue
                 try:

@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from pdserve.engine import kv_store
 from pdserve.engine.kv_store import HEADER, INDEX_NAME, MAGIC, TMP_SUFFIX, KVStore
 
 LOGGER = "pdserve.engine.kv_store"
@@ -228,6 +229,7 @@ def test_a_half_written_file_is_never_served_and_is_removed_at_open(open_store):
     store.close()
     # A writer died mid-write: its temporary file holds part of a block; no row, no final file.
     tmp = block_path(store, key(2)).with_name(key(2).hex() + TMP_SUFFIX)
+    tmp.parent.mkdir(exist_ok=True)
     tmp.write_bytes(block_path(store, key(1)).read_bytes()[: file_size() // 2])
 
     reopened = open_store()
@@ -376,7 +378,7 @@ def test_put_never_waits_for_a_stalled_writer(open_store):
 
 
 def test_a_busy_index_drops_the_batch_and_the_store_stays_on(open_store, monkeypatch):
-    monkeypatch.setattr("pdserve.engine.kv_store.BUSY_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(kv_store, "BUSY_TIMEOUT_S", 0.2)
     store = open_store()
     holder = sqlite3.connect(store.root / INDEX_NAME, isolation_level=None)
     holder.execute("BEGIN IMMEDIATE")
