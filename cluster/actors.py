@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -120,7 +121,7 @@ class WorkerActor:
         num_threads = _pin_threads(cpu_affinity)
         node_ip, node_id = _node()
         config = WorkerConfig(**{"host": node_ip, **worker_kwargs})
-        engine = await asyncio.to_thread(LLMEngine, engine_config)
+        engine = await asyncio.to_thread(functools.partial(LLMEngine, engine_config, serving=True))
         if self.role == "prefill":
             from pdserve.prefill_worker.service import PrefillService as make_service
         else:

@@ -15,6 +15,7 @@ CPU_KV_CACHE_ENV = "PDSERVE_CPU_KV_CACHE_BYTES"  # overrides DEFAULT_CPU_KV_CACH
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # what weights and KV may be stored in
 DEFAULT_KV_TIER_BYTES = 8 * 1024**3  # the second KV tier's store (KVTierConfig.budget_bytes)
 KV_TIER_DIRNAME = "kv-tier"  # its default directory, under $PDSERVE_CACHE
+KV_TIER_DIR_ENV = "PDSERVE_KV_TIER_DIR"  # names that directory for every worker of a host (KVTierConfig.directory)
 
 
 @dataclass(frozen=True)
@@ -54,19 +55,19 @@ class KVTierConfig:
     caching (the tier keys blocks by their chained hashes); the simulated engine computes no
     KV, so it runs without the tier (enabling both is refused)."""
 
-    enabled: bool = field(default=False, metadata={
+    enabled: bool | None = field(default=None, metadata={
         "help": "keep computed prefix blocks' KV in a store on this node, shared by its workers, and load a "
-                "prompt's blocks back from it when that beats recomputing them (off for now: the benchmark "
-                "decides the default)"})
+                "prompt's blocks back from it when that beats recomputing them (default: on in a serving "
+                "worker with a real model and prefix caching, off in the offline engine and `pdserve generate`)"})
     budget_bytes: int = field(default=DEFAULT_KV_TIER_BYTES, metadata={
         "help": "bytes of KV the store keeps; past it the least recently used blocks go"})
     directory: str | None = field(default=None, metadata={
-        "help": f"the store's directory (default: $PDSERVE_CACHE/{KV_TIER_DIRNAME}); each KV layout (model, "
-                "dtype, block size, shapes) keeps a subdirectory of its own"})
+        "help": f"the store's directory (default: ${KV_TIER_DIR_ENV}, else $PDSERVE_CACHE/{KV_TIER_DIRNAME}); "
+                "each KV layout (model, dtype, block size, shapes) keeps a subdirectory of its own"})
 
     def __post_init__(self) -> None:
-        if not isinstance(self.enabled, bool):
-            raise ValueError(f"kv_tier.enabled must be true or false, got {self.enabled!r}")
+        if self.enabled is not None and not isinstance(self.enabled, bool):
+            raise ValueError(f"kv_tier.enabled must be true, false or null (the default), got {self.enabled!r}")
         _check_range("kv_tier.budget_bytes", self.budget_bytes, 1, 1 << 60)
         if self.directory is not None and (not isinstance(self.directory, str) or not self.directory):
             raise ValueError(f"kv_tier.directory must be a path or null, got {self.directory!r}")
@@ -88,7 +89,8 @@ class EngineConfig:
     `kv_cache_bytes=None` means: on CPU `$PDSERVE_CPU_KV_CACHE_BYTES` or else 2 GiB (see
     `default_cpu_kv_cache_bytes`), on CUDA `gpu_memory_utilization` of the free GPU memory
     (after weights).
-    `kv_tier` is the second KV tier (KVTierConfig, a mapping taken as its fields), off by default.
+    `kv_tier` is the second KV tier (KVTierConfig, a mapping taken as its fields); `kv_tier_on`
+    says whether an engine runs it.
     """
 
     model: str = DEFAULT_MODEL
@@ -113,7 +115,7 @@ class EngineConfig:
             if not isinstance(value, kind):
                 raise ValueError(f"{name} must be a {kind.__name__} or a mapping of its fields, "
                                  f"got {type(value).__name__}")
-        if self.kv_tier.enabled and (self.is_sim or not self.enable_prefix_caching):
+        if self.kv_tier.enabled is True and not self._kv_tier_can_run:
             raise ValueError("kv_tier.enabled needs prefix caching (the tier keys blocks by their hashes) and a real "
                              "model (the simulated engine computes no KV to keep)")
         _check_range("block_size", self.block_size, 1, 1024)
@@ -138,6 +140,21 @@ class EngineConfig:
     def is_sim(self) -> bool:
         """Whether this is the simulated engine (engine.sim)."""
         return self.model == SIM_MODEL
+
+    @property
+    def _kv_tier_can_run(self) -> bool:
+        return not self.is_sim and self.enable_prefix_caching is True
+
+    def kv_tier_on(self, serving: bool) -> bool:
+        """Whether an engine runs the second KV tier: as `kv_tier.enabled` says, and when that
+        is null (the default) in a serving worker's engine (`serving`) with a real model and
+        prefix caching. It pays there: a worker serves turns that come back after their blocks
+        left its pool, and workers on one node share the store; loading is chosen per request
+        only when it beats recomputing. The offline engine runs batches whose shared prefixes
+        are scheduled together, so it keeps the tier off unless asked."""
+        if self.kv_tier.enabled is None:
+            return serving and self._kv_tier_can_run
+        return self.kv_tier.enabled
 
     @property
     def checkpoint(self) -> str:

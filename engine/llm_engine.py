@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from pdserve.engine.block_hash import root_hash
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.config import KV_TIER_DIRNAME, EngineConfig
+from pdserve.engine.config import KV_TIER_DIR_ENV, KV_TIER_DIRNAME, EngineConfig
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.guided import GuideFactory
 from pdserve.engine.kv_connector import KVConnector, KVSchedulerSide, KVWorkerSide
@@ -44,7 +45,8 @@ class LLMEngine:
     `num_waiting`, `num_running`). `kv_tier`: the second KV tier (engine.kv_tier) or None.
     `scheduler`, `block_manager` and `runner` are internal."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, serving: bool = False) -> None:
+        """`serving`: this engine is a worker's (the second KV tier's default, EngineConfig.kv_tier_on)."""
         self.config = config
         self.loaded = load_model(config)
         num_blocks = num_kv_blocks(config, self.loaded)
@@ -57,7 +59,7 @@ class LLMEngine:
             self.block_manager,
         )
         self.runner = self._make_runner(num_blocks)
-        self.kv_tier = self._make_kv_tier(salt) if config.kv_tier.enabled else None  # the second KV tier
+        self.kv_tier = self._make_kv_tier(salt) if config.kv_tier_on(serving) else None  # the second KV tier
         self.scheduler.tier = self.kv_tier
         self._tracked: dict[str, _Tracked] = {}
         self._reserved: set[str] = set()  # requests whose blocks await KV from elsewhere (kv_connector)
@@ -86,7 +88,7 @@ class LLMEngine:
         """The second KV tier (engine.kv_tier) on a store in this KV layout's directory under
         `kv_tier.directory`; None, logged, when the store cannot run there."""
         settings, shape = self.config.kv_tier, self.loaded.shape
-        base = Path(settings.directory) if settings.directory else cache_dir() / KV_TIER_DIRNAME
+        base = Path(settings.directory or os.environ.get(KV_TIER_DIR_ENV) or cache_dir() / KV_TIER_DIRNAME)
         directory = layout_directory(base, salt, self.loaded.model_dir, self.config.block_size,
                                      (shape.num_layers, shape.num_kv_heads, shape.head_dim))
         store = KVStore(directory, settings.budget_bytes)

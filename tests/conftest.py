@@ -1,4 +1,7 @@
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,12 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 # max-length SmolLM2 request in fp32, and a quarter of the 2 GiB default, which with a dozen
 # engines alive at once (module-scoped worker fixtures) ran a 24 GiB CI machine out of memory.
 os.environ.setdefault("PDSERVE_CPU_KV_CACHE_BYTES", str(512 << 20))
+# Every serving engine runs the second KV tier by default (EngineConfig.kv_tier_on), on a node
+# store that outlives it ($PDSERVE_KV_TIER_DIR, else $PDSERVE_CACHE/kv-tier): the suite's go
+# to a directory of this run's own, so no run finds blocks an earlier one (or a user) wrote.
+if "PDSERVE_KV_TIER_DIR" not in os.environ:
+    os.environ["PDSERVE_KV_TIER_DIR"] = tempfile.mkdtemp(prefix="pdserve-test-kv-tier-")
+    atexit.register(shutil.rmtree, os.environ["PDSERVE_KV_TIER_DIR"], ignore_errors=True)
 
 # CI runs the same examples every time (no random seed, no example database replaying
 # earlier failures); local runs keep exploring with hypothesis' default profile.

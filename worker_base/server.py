@@ -34,7 +34,7 @@ def run_worker(role: str, argv: list[str] | None, make_service: Callable) -> int
         config = worker_config_from_args(args)
         from pdserve.engine.llm_engine import LLMEngine
 
-        engine = LLMEngine(engine_config)
+        engine = LLMEngine(engine_config, serving=True)
     except ValueError as exc:
         print(f"{role} worker: error: {exc}", file=sys.stderr)
         return 2

@@ -1,4 +1,5 @@
-"""The second KV tier's settings (engine.config.KVTierConfig): off by default, the workers'
+"""The second KV tier's settings (engine.config.KVTierConfig): on by default in a serving
+worker with a real model and prefix caching, off in the offline engine; the workers'
 flags and a pool's `engine: {kv_tier: ...}` reach the engine's config, settings it cannot
 run with are refused, and each KV layout gets a store directory of its own."""
 
@@ -12,19 +13,30 @@ from pdserve.engine.config import SIM_MODEL, EngineConfig, KVTierConfig
 from pdserve.engine.kv_tier import layout_directory
 
 
-def test_the_tier_is_off_by_default_and_its_flags_follow_from_kvtierconfig():
+def test_the_tier_is_on_by_default_where_it_can_run_in_a_serving_worker_only():
+    default = EngineConfig()
+    assert default.kv_tier.enabled is None and default.kv_tier.budget_bytes == 8 << 30
+    assert default.kv_tier_on(serving=True) and not default.kv_tier_on(serving=False)
+    for cannot in (EngineConfig(model=SIM_MODEL), EngineConfig(enable_prefix_caching=False)):
+        assert not cannot.kv_tier_on(serving=True)  # the default, not refused
+    assert EngineConfig(kv_tier={"enabled": True}).kv_tier_on(serving=False)  # asked for, offline too
+    assert not EngineConfig(kv_tier={"enabled": False}).kv_tier_on(serving=True)
+
+
+def test_the_tiers_flags_follow_from_kvtierconfig():
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    assert engine_config_from_args(parser.parse_args([])).kv_tier == KVTierConfig() and not KVTierConfig().enabled
+    assert engine_config_from_args(parser.parse_args([])).kv_tier == KVTierConfig()
     args = parser.parse_args(["--kv-tier-enabled", "--kv-tier-budget-bytes", "1000", "--kv-tier-directory", "/t"])
     assert engine_config_from_args(args).kv_tier == KVTierConfig(enabled=True, budget_bytes=1000, directory="/t")
+    assert engine_config_from_args(parser.parse_args(["--no-kv-tier-enabled"])).kv_tier.enabled is False
 
 
 def test_a_pools_engine_section_sets_the_tier():
     config = load_config(None, {"decode.engine": {"kv_tier": {"enabled": True, "directory": "/t"}}})
     decode = EngineConfig.from_kwargs(**config.engine_kwargs("decode"))
     assert decode.kv_tier == KVTierConfig(enabled=True, directory="/t")
-    assert not EngineConfig.from_kwargs(**config.engine_kwargs("prefill")).kv_tier.enabled
+    assert EngineConfig.from_kwargs(**config.engine_kwargs("prefill")).kv_tier == KVTierConfig()
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -32,6 +44,7 @@ def test_a_pools_engine_section_sets_the_tier():
     ({"enable_prefix_caching": False, "kv_tier": {"enabled": True}}, "needs prefix caching"),
     ({"kv_tier": {"budget_bytes": 0}}, "kv_tier.budget_bytes must be"),
     ({"kv_tier": {"size": 1}}, "unexpected keyword argument 'size'"),
+    ({"kv_tier": {"enabled": "yes"}}, "kv_tier.enabled must be true, false or null"),
 ])
 def test_settings_the_tier_cannot_run_with_are_refused(kwargs, message):
     with pytest.raises((ValueError, TypeError), match=message):
