@@ -2,10 +2,12 @@
 
 Replays ../shared/workloads/multi-turn-chat.jsonl through the real service (Ray, the real
 model, the router, HTTP; each turn resends the history with the replies really generated,
-after the user's think time) with every worker's KV pool sized to about a quarter of the
-replay's working set (its distinct prompt tokens, estimated from the workload: shared
-system prompts once, each session's turns and replies), so the pools evict most of what
-later turns need. Configurations, each on a fresh service, the tier's directory fresh too:
+after the user's think time) with the prefill worker's KV pool, and the decode workers'
+pools together, sized to about a quarter of the replay's working set (its distinct prompt
+tokens, estimated from the workload: shared system prompts once, each session's turns and
+replies), so the pools evict most of what later turns need (`--per-worker-pools`: each
+decode pool a quarter, as the first runs had it: two decode pools then hold half).
+Configurations, each on a fresh service, the tier's directory fresh too:
 
 - `1p1d-off` / `1p1d-on`: 1 prefill + 1 decode worker, the tier off / on (both workers share
   one store directory: one node);
@@ -20,7 +22,7 @@ tokens), the tier's load/recompute decisions, its measured read bandwidth agains
 workers' prefill speed (both in KV bytes/s). Targets: TTFT p50 >= 2x better and prompt
 tokens computed -50% with the tier on. JSON + PNG.
 
-    .venv/bin/python benchmarks/kv_tier.py [--sessions 24] [--time-scale 0.5] [--configs 1p1d-off,1p1d-on]
+    .venv/bin/python benchmarks/kv_tier.py [--sessions 32] [--time-scale 0.5] [--configs 1p1d-off,1p1d-on]
 """
 
 from __future__ import annotations
@@ -143,15 +145,19 @@ def kill_later(controller, after_s: float, out: dict) -> threading.Timer:
 
 
 def run_config(name: str, rows: list[dict], pool_bytes: int, budget_bytes: int, time_scale: float,
-               bytes_per_token: int) -> dict:
+               bytes_per_token: int, per_worker_pools: bool = False) -> dict:
+    """One configuration on a fresh service and store: the prefill worker's pool `pool_bytes`,
+    the decode workers' pools `pool_bytes` together (each, with `per_worker_pools`)."""
     from pdserve.cluster.controller import controller_handle
 
     decode, tier, restart = CONFIGS[name]
+    decode_pool = pool_bytes if per_worker_pools else max(pool_bytes // decode, (MAX_MODEL_LEN + 64) * bytes_per_token)
     with tempfile.TemporaryDirectory(prefix="pdserve-kv-tier-") as directory:
         engine = {"kv_cache_bytes": pool_bytes, "max_num_batched_tokens": 512, "max_model_len": MAX_MODEL_LEN,
                   "kv_tier": {"enabled": tier, "directory": directory, "budget_bytes": budget_bytes}}
         settings = {"router.port": free_port(), "prefill.num_cpus": 0.5, "decode.num_cpus": 0.5,
-                    "decode.replicas": decode, "prefill.engine": engine, "decode.engine": engine,
+                    "decode.replicas": decode, "prefill.engine": engine,
+                    "decode.engine": {**engine, "kv_cache_bytes": decode_pool},
                     "router.max_inflight_requests": 1024}
         with service(settings) as url:
             controller = controller_handle()
@@ -166,6 +172,7 @@ def run_config(name: str, rows: list[dict], pool_bytes: int, budget_bytes: int, 
             time.sleep(1.0)  # the workers' last reports reach the router
             out = summarize(results, wall, before, scrape(url))
             out["tier"] = tier_summary(worker_stats(controller), bytes_per_token)
+            out["decode_pool_bytes"] = decode_pool
     if restart and killed:
         killed_s = killed["at"] - started
         after = [r for r in results if r.get("sent_s", -1.0) >= killed_s]
@@ -190,9 +197,14 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sessions", type=int, default=24, help="multi-turn-chat sessions to replay")
+    parser.add_argument("--sessions", type=int, default=32,
+                        help="multi-turn-chat sessions to replay (at 32, a quarter of the working set over two "
+                             "decode pools still holds the longest chat in each)")
     parser.add_argument("--time-scale", type=float, default=0.5, help="arrival and think times x this")
-    parser.add_argument("--pool-fraction", type=float, default=0.25, help="each worker's KV pool, x the working set")
+    parser.add_argument("--pool-fraction", type=float, default=0.25,
+                        help="the prefill worker's KV pool, and the decode workers' together, x the working set")
+    parser.add_argument("--per-worker-pools", action="store_true",
+                        help="every decode worker's pool the fraction (two decode pools then hold twice as much)")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="which of " + ", ".join(CONFIGS))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "kv_tier.json")
     args = parser.parse_args()
@@ -203,13 +215,14 @@ def main() -> None:
     result = {"setup": {"cores": os.cpu_count(), "load_average_at_start": os.getloadavg(), "sessions": len(rows),
                         "time_scale": args.time_scale, "working_set_tokens": working,
                         "bytes_per_token": bytes_per_token, "pool_bytes": pool_bytes,
-                        "pool_fraction": args.pool_fraction, "tier_budget_bytes": 4 * working * bytes_per_token},
+                        "pool_fraction": args.pool_fraction, "per_worker_pools": args.per_worker_pools,
+                        "tier_budget_bytes": 4 * working * bytes_per_token},
               "configs": {}}
     result["recompute"] = recompute_speed(rows, bytes_per_token)
     with local_ray(2):
         for name in args.configs.split(","):
             result["configs"][name] = run_config(name, rows, pool_bytes, 4 * working * bytes_per_token,
-                                                 args.time_scale, bytes_per_token)
+                                                 args.time_scale, bytes_per_token, args.per_worker_pools)
     for pair in ("1p1d", "1p2d", "restart"):
         off, on = result["configs"].get(f"{pair}-off"), result["configs"].get(f"{pair}-on")
         if off and on and on["ttft_s"]["p50"] and on["prompt_tokens_computed"] is not None:

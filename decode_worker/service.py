@@ -63,6 +63,9 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
         self.prefill_decisions: dict[str, int] = {}  # "where/reason" -> count
         self._abort_requested: set[str] = set()
         self.profile = Profile.load(config.prefill_profile) if config.prefill_profile else None
+        tier = getattr(engine, "kv_tier", None)
+        if self.profile is not None and tier is not None:
+            tier.profile = self.profile  # the tier's load-or-recompute predicts prefill as the local decision does
 
     # ------------------------------------------------------------ lifecycle
     def add_to(self, server: grpc.aio.Server) -> None:

@@ -14,6 +14,7 @@ CPU_KV_CACHE_ENV = "PDSERVE_CPU_KV_CACHE_BYTES"  # overrides DEFAULT_CPU_KV_CACH
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # what weights and KV may be stored in
 DEFAULT_KV_TIER_BYTES = 8 * 1024**3  # the second KV tier's store (KVTierConfig.budget_bytes)
+DEFAULT_KV_TIER_HOST_BYTES = 4 * 1024**3  # its pinned host level per GPU worker (KVTierConfig.host_bytes)
 KV_TIER_DIRNAME = "kv-tier"  # its default directory, under $PDSERVE_CACHE
 KV_TIER_DIR_ENV = "PDSERVE_KV_TIER_DIR"  # names that directory for every worker of a host (KVTierConfig.directory)
 
@@ -61,6 +62,10 @@ class KVTierConfig:
                 "worker with a real model and prefix caching, off in the offline engine and `pdserve generate`)"})
     budget_bytes: int = field(default=DEFAULT_KV_TIER_BYTES, metadata={
         "help": "bytes of KV the store keeps; past it the least recently used blocks go"})
+    host_bytes: int = field(default=DEFAULT_KV_TIER_HOST_BYTES, metadata={
+        "help": "on a GPU worker, bytes of its own pinned host memory that keep blocks in front of the node's "
+                "store, least recently used dropped first (0: none; CPU workers have none: their pool is host "
+                "memory already)"})
     directory: str | None = field(default=None, metadata={
         "help": f"the store's directory (default: ${KV_TIER_DIR_ENV}, else $PDSERVE_CACHE/{KV_TIER_DIRNAME}); "
                 "each KV layout (model, dtype, block size, shapes) keeps a subdirectory of its own"})
@@ -69,6 +74,7 @@ class KVTierConfig:
         if self.enabled is not None and not isinstance(self.enabled, bool):
             raise ValueError(f"kv_tier.enabled must be true, false or null (the default), got {self.enabled!r}")
         _check_range("kv_tier.budget_bytes", self.budget_bytes, 1, 1 << 60)
+        _check_range("kv_tier.host_bytes", self.host_bytes, 0, 1 << 50)
         if self.directory is not None and (not isinstance(self.directory, str) or not self.directory):
             raise ValueError(f"kv_tier.directory must be a path or null, got {self.directory!r}")
 

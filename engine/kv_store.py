@@ -51,8 +51,10 @@ file a crash left without its row can still be served (whole and verified, or re
 buffer, a budget that is no number: TypeError). A directory that
 cannot be used at construction gives a store with `enabled` False and the reason; an I/O
 error while writing (ENOSPC, EIO, a removed directory) makes the store read-only (puts
-dropped); a broken index, or an I/O error while reading, turns it off (gets miss). Either
-logs ONE warning per store, and `state` and `disabled_reason` say what and why. Lock
+dropped) for `retry_writes_s` (60 s), after which the next put tries again (a disk that
+filled up may have room again); a broken index, or an I/O error while reading, turns it off
+(gets miss), for good. A store logs ONE warning until writes work again (then one info
+line), and `state` and `disabled_reason` say what and why. Lock
 contention past the busy timeout (10 s) only drops that batch of puts (`write_errors`).
 
 Thread-safety: every public method may be called from any thread of the process that made
@@ -108,8 +110,8 @@ _SCHEMA = (
     "CREATE TRIGGER IF NOT EXISTS blocks_removed AFTER DELETE ON blocks"
     " BEGIN UPDATE usage SET bytes = bytes - OLD.size, files = files - 1; END",
 )
-_COUNTERS = ("puts", "written", "skipped", "dropped", "write_errors", "hits", "misses", "corrupt",
-             "evicted", "swept")
+_COUNTERS = ("puts", "written", "skipped", "dropped", "write_errors", "write_retries", "hits", "misses",
+             "corrupt", "evicted", "swept")
 
 
 class _Op(NamedTuple):
@@ -196,8 +198,12 @@ class KVStore:
     read-only or off; None while it is on), `root` (the directory holding the files).
     """
 
-    def __init__(self, directory: str | os.PathLike, budget_bytes: int, *, queue_bytes: int = 64 << 20) -> None:
+    def __init__(self, directory: str | os.PathLike, budget_bytes: int, *, queue_bytes: int = 64 << 20,
+                 retry_writes_s: float = 60.0) -> None:
         self.directory = Path(directory)
+        self.retry_writes_s = retry_writes_s
+        self._retry_writes_at: float | None = None  # read-only after a write error: when a put tries again
+        self._warned = False  # a warning was logged since writes last worked
         self.root = self.directory / f"v{FORMAT_VERSION}"
         self.budget_bytes, self.queue_bytes = int(budget_bytes), int(queue_bytes)
         self.enabled = self.writable = False
@@ -248,6 +254,10 @@ class KVStore:
         data = payload if type(payload) is bytes else memoryview(payload).tobytes()
         with self._cond:
             self._counts["puts"] += 1
+            if self._retry_writes_at is not None and time.monotonic() >= self._retry_writes_at:
+                self._retry_writes_at, self.disabled_reason = None, None
+                self.writable = self.enabled and not self._stopping
+                self._counts["write_retries"] += 1
             if _valid_key(key) and key in self._queued_keys:  # skipped, but this is its latest use
                 self._queued_keys[key] = self._tick()
                 self._counts["skipped"] += 1
@@ -498,7 +508,7 @@ class KVStore:
             if isinstance(e, sqlite3.Error) and _is_busy(e):
                 logger.debug("KV store: index busy, %d puts dropped: %s", len(puts), e)
             elif isinstance(e, OSError):
-                self._degrade("read-only", f"write failed: {e}")
+                self._degrade("read-only", f"write failed: {e}", retry=True)
             else:
                 self._degrade("off", f"index failed: {e!r}")
             return
@@ -506,6 +516,11 @@ class KVStore:
             for name, n in counts.items():
                 self._counts[name] += n
             self._record(changes)
+            recovered = self._warned and counts["written"] > 0 and self.writable
+            if recovered:
+                self._warned = False
+        if recovered:
+            logger.info("KV store %s writes again", self.root)
 
     def _write(self, op: _Op, header: bytes, counts: dict[str, int], renamed: list[str],
                changes: list[tuple[bytes, bool]]) -> None:
@@ -684,16 +699,19 @@ class KVStore:
         with self._cond:
             return self._ewma_bytes / self._ewma_s if self._ewma_s > 0 else None
 
-    def _degrade(self, state: str, reason: str) -> None:
-        """Go read-only or off (never back on). The first call logs a warning; the reason it
-        gives stays in `disabled_reason`."""
+    def _degrade(self, state: str, reason: str, *, retry: bool = False) -> None:
+        """Go read-only or off: back on only by a put `retry_writes_s` after a read-only
+        `retry` (a write error), never from off. The first call since writes last worked logs
+        a warning; the reason it gives stays in `disabled_reason`."""
         with self._cond:
-            first = self.disabled_reason is None
-            if first:
+            first = not self._warned
+            self._warned = True
+            if self.disabled_reason is None:
                 self.disabled_reason = reason
             self.writable = False
             if state == "off":
                 self.enabled = False
+            self._retry_writes_at = time.monotonic() + self.retry_writes_s if retry and self.enabled else None
         if first:
             logger.warning("KV store %s is %s: %s", self.root, self.state, reason)
         else:

@@ -29,7 +29,8 @@ between steps under the driver's lock (a KV connector admission commits its bloc
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -38,6 +39,7 @@ import torch
 
 from pdserve.engine.block_hash import prefix_hashes
 from pdserve.engine.cache_events import CacheEventLog
+from pdserve.engine.kv_host import HostBlocks, row_view
 from pdserve.engine.profile import Profile, prefill_seconds
 
 DECISIONS = ("load", "recompute: slower", "load failed")  # the reasons counted, per request with blocks in the store
@@ -47,7 +49,7 @@ PREFILL_RATE_WEIGHT = 0.2  # the EWMA's weight of each new step's prompt tokens 
 class Store(Protocol):
     """What the tier uses of engine.kv_store.KVStore."""
 
-    def put(self, key: bytes, payload: bytes) -> bool: ...
+    def put(self, key: bytes, payload: bytes | memoryview) -> bool: ...
     def contains(self, keys: Sequence[bytes]) -> int: ...
     def get(self, key: bytes) -> bytes | None: ...
     def read_bandwidth(self) -> float: ...
@@ -60,14 +62,15 @@ class BlockCopies(Protocol):
 
     block_bytes: int
 
-    def read(self, blocks: Sequence[int]) -> list[bytes]: ...
-    def write(self, blocks: Sequence[int], payloads: Sequence[bytes]) -> None: ...
+    def read(self, blocks: Sequence[int], empty_row: Callable[[int], torch.Tensor] | None = None
+             ) -> list[torch.Tensor]: ...
+    def write(self, blocks: Sequence[int], rows: Sequence[torch.Tensor]) -> None: ...
 
 
 class CacheBlocks:
     """The paged cache `[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]` as one
     payload per block: its `[num_layers, 2, block_size, kv_heads, head_dim]` slice, raw bytes
-    of the cache's dtype. Engine thread (or between steps) only."""
+    of the cache's dtype, as a 1-D uint8 CPU tensor (a row). Engine thread (or between steps) only."""
 
     def __init__(self, kv_cache: torch.Tensor) -> None:
         self._cache = kv_cache
@@ -75,19 +78,32 @@ class CacheBlocks:
         self._block_shape = (layers, halves, *block)
         self.block_bytes = kv_cache[:, :, 0].numel() * kv_cache.element_size()
 
-    def read(self, blocks: Sequence[int]) -> list[bytes]:
-        """Copies of the blocks' KV (one device-to-host copy for all of them)."""
+    def read(self, blocks: Sequence[int], empty_row: Callable[[int], torch.Tensor] | None = None
+             ) -> list[torch.Tensor]:
+        """Copies of the blocks' KV, a row each: into rows `empty_row(block_bytes)` makes
+        (pinned host memory: HostBlocks.empty_row) when given, else views of one host copy
+        of them all."""
         index = torch.as_tensor(list(blocks), dtype=torch.long, device=self._cache.device)
-        rows = self._cache.index_select(2, index).movedim(2, 0).contiguous().cpu()
-        raw = rows.view(torch.uint8).reshape(len(blocks), -1).numpy()
-        return [row.tobytes() for row in raw]
+        gathered = self._cache.index_select(2, index).movedim(2, 0).contiguous()
+        flat = gathered.view(torch.uint8).reshape(len(blocks), -1)
+        if empty_row is None:
+            return list(flat.cpu())
+        rows = [empty_row(self.block_bytes) for _ in blocks]
+        for row, source in zip(rows, flat, strict=True):
+            row.copy_(source)
+        return rows
 
-    def write(self, blocks: Sequence[int], payloads: Sequence[bytes]) -> None:
-        """Put `payloads` (each one block's, as `read` gives them) into `blocks`."""
-        raw = torch.frombuffer(bytearray().join(payloads), dtype=torch.uint8)
-        rows = raw.view(self._cache.dtype).view(len(blocks), *self._block_shape).to(self._cache.device)
+    def write(self, blocks: Sequence[int], rows: Sequence[torch.Tensor]) -> None:
+        """Put `rows` (each one block's, as `read` gives them) into `blocks`."""
+        if self._cache.device.type == "cpu":
+            data = torch.stack(list(rows))
+        else:  # one copy per row, asynchronous from pinned rows
+            data = torch.empty((len(rows), self.block_bytes), dtype=torch.uint8, device=self._cache.device)
+            for target, row in zip(data, rows, strict=True):
+                target.copy_(row, non_blocking=True)
+        values = data.view(self._cache.dtype).view(len(blocks), *self._block_shape)
         index = torch.as_tensor(list(blocks), dtype=torch.long, device=self._cache.device)
-        self._cache.index_copy_(2, index, rows.movedim(0, 2))
+        self._cache.index_copy_(2, index, values.movedim(0, 2))
 
 
 def layout_directory(base: Path, salt: str, checkpoint: Path, block_size: int, kv_shape: Sequence[int]) -> Path:
@@ -102,11 +118,13 @@ def layout_directory(base: Path, salt: str, checkpoint: Path, block_size: int, k
 
 @dataclass(frozen=True)
 class TierPlan:
-    """The blocks after a request's pooled prefix that the store holds (`keys`, a leading
-    run of its block hashes) and whether to load them (else they are recomputed)."""
+    """The blocks after a request's pooled prefix that the tier holds (`keys`, a leading run
+    of its block hashes; the first `num_host` of them in host memory, the rest in the node's
+    store) and whether to load them (else they are recomputed)."""
 
     keys: list[bytes]
     load: bool
+    num_host: int = 0
 
     @property
     def num_blocks(self) -> int:
@@ -119,13 +137,15 @@ class KVTier:
     is admitted, `write` at commits, `observe_prefill` after steps. `profile`: a latency
     profile (engine.profile) to predict prefill time with instead of the measured rate,
     where the engine's owner has one. `events`: the block manager's event log, to carry the
-    store's changes and keys (named by the store's resolved directory)."""
+    store's changes and keys (named by the store's resolved directory). `host`: the level in
+    this process's pinned memory in front of the store (engine.kv_host; GPU workers)."""
 
     def __init__(self, store: Store, cache: BlockCopies, block_size: int, root: bytes,
-                 profile: Profile | None = None, events: CacheEventLog | None = None) -> None:
+                 profile: Profile | None = None, events: CacheEventLog | None = None,
+                 host: HostBlocks | None = None) -> None:
         if events is not None:
             events.attach_tier(store, str(Path(store.root).resolve()))
-        self.store, self.cache = store, cache
+        self.store, self.cache, self.host = store, cache, host
         self.block_size, self.root = block_size, root
         self.profile = profile
         self.prefill_rate: float | None = None  # prompt tokens per second of steps computing prompts (EWMA)
@@ -134,45 +154,61 @@ class KVTier:
 
     def plan(self, token_ids: list[int], num_cached_blocks: int) -> TierPlan | None:
         """For a request whose tokens to reuse are `token_ids` (its last token excluded) and
-        whose first `num_cached_blocks` full blocks the pool holds: the store's leading run of
-        the blocks after them and whether to load it; None when the store holds none."""
+        whose first `num_cached_blocks` full blocks the pool holds: the tier's leading run of
+        the blocks after them (host memory first, then the store) and whether to load it;
+        None when the tier holds none."""
         keys = prefix_hashes(token_ids, self.block_size, self.root)[num_cached_blocks:]
-        held = self.store.contains(keys) if keys else 0
+        in_host = self.host.leading(keys) if self.host is not None else 0
+        held = in_host + (self.store.contains(keys[in_host:]) if len(keys) > in_host else 0)
         if not held:
             return None
-        return TierPlan(keys[:held], self._load_is_faster(held))
+        return TierPlan(keys[:held], self._load_is_faster(in_host, held - in_host), in_host)
 
     def apply(self, plan: TierPlan, blocks: Sequence[int]) -> int:
         """Carry out `plan` for a request now holding `blocks` after its pooled prefix: copy
-        the planned blocks' KV from the store into them, up to the first the store cannot
-        give back; count the decision. Returns how many blocks were loaded (the caller
-        commits them and counts them computed)."""
+        the planned blocks' KV from the tier into them, up to the first it cannot give back;
+        count the decision. Returns how many blocks were loaded (the caller commits them and
+        counts them computed)."""
         if not plan.load:
             self.decisions["recompute: slower"] += 1
             return 0
-        payloads = []
-        for key in plan.keys:
-            payload = self.store.get(key)
-            if payload is None or len(payload) != self.cache.block_bytes:
+        # host memory's rows first (each now recently used), so keeping the store's rows there
+        # drops rows of other requests before this one's
+        held = [self.host.get(key) for key in plan.keys] if self.host is not None else [None] * len(plan.keys)
+        rows = []
+        for key, row in zip(plan.keys, held, strict=True):
+            row = row if row is not None else self._row_from_store(key)
+            if row is None:
                 break
-            payloads.append(payload)
-        if payloads:
-            self.cache.write(blocks[:len(payloads)], payloads)
-        self.decisions["load" if len(payloads) == len(plan.keys) else "load failed"] += 1
-        return len(payloads)
+            rows.append(row)
+        if rows:
+            start = time.perf_counter()
+            self.cache.write(blocks[:len(rows)], rows)
+            if self.host is not None and plan.num_host >= len(rows):
+                self.host.observe_load(len(rows) * self.cache.block_bytes, time.perf_counter() - start)
+        self.decisions["load" if len(rows) == len(plan.keys) else "load failed"] += 1
+        return len(rows)
 
     def write(self, stored: Sequence[tuple[int, bytes]]) -> None:
-        """Write-through: hand the store each (block, hash) the pool just indexed, unless it
-        holds that hash already. Never blocks on the disk and never raises for the store."""
-        missing = [(block, key) for block, key in stored if not self.store.contains([key])]
+        """Write-through: hand the tier each (block, hash) the pool just indexed (host memory
+        and the store), unless it holds that hash already. Never blocks on the disk and never
+        raises for the store."""
+        missing = [(block, key) for block, key in stored
+                   if not (self.host is not None and key in self.host) and not self.store.contains([key])]
         if not missing:
             return
-        for (_, key), payload in zip(missing, self.cache.read([block for block, _ in missing]), strict=True):
-            self.num_blocks_written += self.store.put(key, payload)
+        empty_row = self.host.empty_row if self.host is not None else None
+        rows = self.cache.read([block for block, _ in missing], empty_row)
+        for (_, key), row in zip(missing, rows, strict=True):
+            if self.host is not None:
+                self.host.put(key, row)
+            self.num_blocks_written += self.store.put(key, row_view(row))
 
     def load_fields(self) -> dict:
         """The tier's part of EngineLoad (engine.stats), but the hit tokens (the scheduler's)."""
         store = self.store.stats()
+        if self.host is not None:
+            store.update(self.host.stats())
         return dict(kv_tier_decisions=dict(self.decisions), kv_tier_blocks_written=self.num_blocks_written,
                     kv_tier_bytes=int(store.pop("bytes", 0)),
                     kv_tier_read_bandwidth=float(store.pop("read_bandwidth", 0.0)),
@@ -193,9 +229,29 @@ class KVTier:
             return prefill_seconds(self.profile, num_tokens)
         return num_tokens / self.prefill_rate if self.prefill_rate else None
 
-    def _load_is_faster(self, num_blocks: int) -> bool:
-        bandwidth = self.store.read_bandwidth()
-        compute_s = self.prefill_seconds(num_blocks * self.block_size)
-        if bandwidth <= 0 or compute_s is None:
-            return True  # unmeasured: loading measures the read
-        return num_blocks * self.cache.block_bytes / bandwidth < compute_s
+    def _row_from_store(self, key: bytes) -> torch.Tensor | None:
+        """The store's payload under `key` as a row (in host memory when there is a host
+        level, which keeps it), or None (missing, refused, the wrong size)."""
+        payload = self.store.get(key)
+        if payload is None or len(payload) != self.cache.block_bytes:
+            return None
+        if self.host is None:
+            return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        row = self.host.empty_row(len(payload))
+        row.numpy()[:] = memoryview(payload)
+        self.host.put(key, row)
+        return row
+
+    def _load_is_faster(self, num_host: int, num_store: int) -> bool:
+        """Whether reading `num_host` blocks from host memory and `num_store` from the store
+        (each at its measured bandwidth) takes less than prefilling their tokens; True while
+        a speed is unmeasured (loading measures the read)."""
+        compute_s = self.prefill_seconds((num_host + num_store) * self.block_size)
+        read_s = 0.0
+        for count, bandwidth in ((num_host, self.host.read_bandwidth() if num_host else 0.0),
+                                 (num_store, self.store.read_bandwidth() if num_store else 0.0)):
+            if count:
+                if bandwidth <= 0:
+                    return True
+                read_s += count * self.cache.block_bytes / bandwidth
+        return compute_s is None or read_s < compute_s

@@ -16,6 +16,7 @@ from pdserve.engine.config import KV_TIER_DIR_ENV, KV_TIER_DIRNAME, EngineConfig
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.guided import GuideFactory
 from pdserve.engine.kv_connector import KVConnector, KVSchedulerSide, KVWorkerSide
+from pdserve.engine.kv_host import HostBlocks
 from pdserve.engine.kv_store import KVStore
 from pdserve.engine.kv_tier import CacheBlocks, KVTier, layout_directory
 from pdserve.engine.loader import load_model, num_kv_blocks
@@ -97,8 +98,11 @@ class LLMEngine:
                            store.disabled_reason)
             store.close()
             return None
-        return KVTier(store, CacheBlocks(self.runner.kv_cache), self.config.block_size, self.block_manager.root,
-                      events=self.block_manager.events)
+        cache = self.runner.kv_cache
+        host = (HostBlocks(settings.host_bytes, pin=True)
+                if cache.device.type == "cuda" and settings.host_bytes > 0 else None)
+        return KVTier(store, CacheBlocks(cache), self.config.block_size, self.block_manager.root,
+                      events=self.block_manager.events, host=host)
 
     @property
     def tokenizer(self):

@@ -10,6 +10,7 @@ import pytest
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.block_hash import prefix_hashes
+from pdserve.engine.kv_host import HostBlocks
 from pdserve.testkit.workers import WorkerProcess, collect, decode_stub, generate_request
 from tests.integration.test_disaggregation_faults import poll
 
@@ -150,3 +151,40 @@ def test_two_worker_processes_on_one_node_share_the_tier_and_report_it(tiny_llam
     assert wrote.kv_tier_blocks_written == len(prompt + expected[:-1]) // BLOCK and wrote.kv_tier_bytes > 0
     assert read.kv_tier_hit_tokens == reusable(prompt) and read.kv_tier_decisions["load"] == 1
     assert read.prefix_cache_hit_tokens == 0 and read.kv_tier_store["hits"] == reusable(prompt) // BLOCK
+
+
+def test_with_a_host_level_an_evicted_block_comes_back_from_host_memory(reference, tiered):
+    """The level GPU workers keep in pinned memory (engine.kv_host), unpinned on this CPU engine."""
+    per_block = reference.engine.runner.kv_cache[:, :, 0].nbytes
+    small = tiered(max_model_len=8 * BLOCK, kv_cache_bytes=8 * per_block)
+    tier = small.engine.kv_tier
+    tier.host = HostBlocks(64 * per_block, pin=False)
+    prompt = SHARED[:40]
+    small.generate([prompt], GREEDY)
+    small.generate([list(range(3000, 3000 + 7 * BLOCK - 2))], GREEDY)  # evicts the prompt from the pool
+    assert small.engine.block_manager.cached_prefix(prompt) == []
+    store_hits = tier.store.stats()["hits"]
+    again = small.generate([prompt], GREEDY)[0]
+    assert again.token_ids == tokens(reference.generate([prompt], GREEDY))[0]
+    assert again.num_cached_tokens == reusable(prompt)
+    assert tier.store.stats()["hits"] == store_hits and tier.host.stats()["host_hits"] == reusable(prompt) // BLOCK
+    assert small.engine.load().kv_tier_store["host_blocks"] == tier.host.stats()["host_blocks"]
+
+
+def test_a_decode_worker_with_a_latency_profile_predicts_the_tiers_prefill_by_it(tiny_llama_dir, tmp_path):
+    from pdserve.decode_worker.service import DecodeService
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.profile import prefill_seconds
+    from pdserve.engine.sim import DEFAULT_PROFILE
+    from pdserve.testkit.workers import SECURITY
+    from pdserve.worker_base.config import WorkerConfig
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), kv_tier={"directory": str(tmp_path)}, **KWARGS),
+                       serving=True)  # the default: on in a serving worker
+    service = DecodeService(engine, WorkerConfig(security=SECURITY, prefill_profile=str(DEFAULT_PROFILE)))
+    try:
+        assert engine.kv_tier is not None and engine.kv_tier.prefill_rate is None  # nothing measured yet
+        assert engine.kv_tier.prefill_seconds(10 * BLOCK) == prefill_seconds(service.profile, 10 * BLOCK) > 0
+    finally:
+        asyncio.run(service.stop())

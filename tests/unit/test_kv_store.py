@@ -323,9 +323,13 @@ def test_the_directory_removed_under_an_open_store_degrades_with_one_warning(tmp
     assert len(warnings_of(caplog)) == 1
 
 
+RETRY_S = 2.0  # the store's retry_writes_s in the write-error test
+
+
 def _fill_past_a_file_size_limit(directory: str) -> dict:
     """In a spawned process: store a block, then let the OS refuse writes past 256 KiB per
-    file (RLIMIT_FSIZE: a real EFBIG, as a full disk gives ENOSPC) and store a 1 MiB block."""
+    file (RLIMIT_FSIZE: a real EFBIG, as a full disk gives ENOSPC) and store a 1 MiB block;
+    then lift the limit (room again) and store one more after the retry interval."""
     import resource
     import signal
 
@@ -333,11 +337,13 @@ def _fill_past_a_file_size_limit(directory: str) -> dict:
     handler = logging.Handler()
     handler.emit = records.append
     logging.getLogger(LOGGER).addHandler(handler)
+    logging.getLogger(LOGGER).setLevel(logging.INFO)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel kills the process
-    store = KVStore(directory, 100 << 20)
+    store = KVStore(directory, 100 << 20, retry_writes_s=RETRY_S)
     store.put(key(1), payload(1))
     store.flush()
-    resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, resource.RLIM_INFINITY))
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, limit[1]))
     queued = store.put(key(2), payload(2, 1 << 20))
     flushed = store.flush()
     after = store.put(key(3), payload(3))
@@ -345,11 +351,18 @@ def _fill_past_a_file_size_limit(directory: str) -> dict:
               "after": after, "old_block_served": store.get(key(1)) == payload(1),
               "new_block": store.get(key(2)), "write_errors": store.stats()["write_errors"],
               "warnings": sum(r.levelno >= logging.WARNING for r in records)}
+    resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+    time.sleep(RETRY_S + 0.1)
+    result["retried"] = store.put(key(4), payload(4)) and store.flush()
+    result.update(state_after_retry=store.state, reason_after_retry=store.disabled_reason,
+                  retried_block_served=store.get(key(4)) == payload(4), write_retries=store.stats()["write_retries"],
+                  warnings_after_retry=sum(r.levelno >= logging.WARNING for r in records),
+                  writes_again_logged=any("writes again" in r.getMessage() for r in records))
     store.close()
     return result
 
 
-def test_a_write_error_makes_the_store_read_only_with_one_warning(tmp_path, open_store):
+def test_a_write_error_makes_the_store_read_only_with_one_warning_until_a_retry_writes(tmp_path, open_store):
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         result = pool.apply(_fill_past_a_file_size_limit, (str(tmp_path / "kv"),))
     assert result["queued"] and result["flushed"] and not result["after"]
@@ -357,6 +370,9 @@ def test_a_write_error_makes_the_store_read_only_with_one_warning(tmp_path, open
     assert result["old_block_served"] and result["new_block"] is None
     assert result["write_errors"] == 1 and result["warnings"] == 1
     assert not [p for p in shard_files(open_store()) if p.endswith(TMP_SUFFIX)]  # the failed write's went
+    assert result["retried"] and result["state_after_retry"] == "on" and result["reason_after_retry"] is None
+    assert result["retried_block_served"] and result["write_retries"] == 1
+    assert result["warnings_after_retry"] == 1 and result["writes_again_logged"]
 
 
 def test_put_never_waits_for_a_stalled_writer(open_store):

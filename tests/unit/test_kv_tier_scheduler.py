@@ -6,6 +6,7 @@ loaded block's content says which tokens it holds. Integration: tests/integratio
 from array import array
 
 import pytest
+import torch
 
 from pdserve.engine.block_hash import prefix_hashes, root_hash
 from pdserve.engine.block_manager import BlockManager
@@ -55,7 +56,8 @@ class DictStore:
 
 
 class DictCache:
-    """The runner's cache, a payload per block id; counts the blocks copied out."""
+    """The runner's cache, a payload per block id (rows in and out, as CacheBlocks); counts
+    the blocks copied out."""
 
     block_bytes = len(payload_of([0] * BLOCK))
 
@@ -63,12 +65,12 @@ class DictCache:
         self.blocks: dict[int, bytes] = {}
         self.num_read = 0
 
-    def read(self, blocks):
+    def read(self, blocks, empty_row=None):
         self.num_read += len(blocks)
-        return [self.blocks[b] for b in blocks]
+        return [torch.frombuffer(bytearray(self.blocks[b]), dtype=torch.uint8) for b in blocks]
 
-    def write(self, blocks, payloads):
-        self.blocks.update(zip(blocks, payloads, strict=True))
+    def write(self, blocks, rows):
+        self.blocks.update(zip(blocks, (row.numpy().tobytes() for row in rows), strict=True))
 
 
 def make(store: DictStore, num_blocks: int = 32, budget: int = 64):
