@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from pdserve.engine.model.kernels import cpu_kernels
 
 _ONE_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+PREFILL_TILE = 8  # queries per tile of the prefill kernel (benchmarks/prefill_attention.py)
 
 
 @dataclass
@@ -85,11 +86,10 @@ def paged_attention(
 
 
 def _prefill_through_kernel(kernel, q, k_cache, v_cache, span: PrefillSpan, scale: float):
-    """A chunk's tokens attended one by one, each as a decode of its own causal prefix."""
-    n = span.num_tokens
-    tables = span.block_table[None, :].expand(n, -1).contiguous()
-    ctx_lens = torch.arange(span.start_pos + 1, span.start_pos + n + 1, dtype=torch.int64, device=q.device)
-    return kernel.paged_decode_attention(q.contiguous(), k_cache, v_cache, tables, ctx_lens, scale)
+    """A chunk's tokens attended by the prefill kernel: in tiles of PREFILL_TILE queries over
+    the sequence's blocks, each token the bits a decode of its own causal prefix gives it."""
+    return kernel.paged_prefill_attention(q.contiguous(), k_cache, v_cache, span.block_table.contiguous(),
+                                          span.start_pos, scale, PREFILL_TILE)
 
 
 def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):

@@ -1,4 +1,4 @@
-"""The CPU kernels (csrc/): paged decode attention and the fused token-wise ops of a layer
+"""The CPU kernels (csrc/): paged decode and prefill attention and the fused token-wise ops of a layer
 (RMSNorm with the residual add, SwiGLU's silu-times-up, RoPE), compiled on first use.
 
 Compiled on the machine that runs it (so `-march=native` is safe) into the pdserve cache and
@@ -25,7 +25,8 @@ from pdserve.engine.cpu import first_cpu_info
 
 logger = logging.getLogger(__name__)
 _SOURCES = tuple(Path(__file__).parent / "csrc" / name
-                 for name in ("paged_attention.cpp", "fused_ops.cpp", "bindings.cpp"))
+                 for name in ("paged_attention.cpp", "paged_prefill.cpp", "fused_ops.cpp", "bindings.cpp"))
+_HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("attention_common.h",))  # copied, not compiled
 _CFLAGS = ("-O3", "-ffast-math", "-march=native", "-fopenmp")
 _LDFLAGS = ("-fopenmp", "-lmvec")
 
@@ -56,13 +57,13 @@ def cpu_kernels():
         return None
     from pdserve.engine.model_source import cache_dir, file_lock
 
-    sources = {path.name: path.read_bytes() for path in _SOURCES}
-    tag = build_tag(b"\0".join(sources.values()))
+    files = {path.name: path.read_bytes() for path in _SOURCES + _HEADERS}
+    tag = build_tag(b"\0".join(files.values()))
     build_dir = cache_dir() / "torch_extensions" / f"cpu_kernels-{tag}"
     build_dir.mkdir(parents=True, exist_ok=True)
     # Compile copies inside the content-addressed build dir: every checkout then names the
     # same source paths, so torch does not rebuild for each one.
-    for name, source in sources.items():
+    for name, source in files.items():
         local = build_dir / name
         if not local.exists() or local.read_bytes() != source:
             local.write_bytes(source)
@@ -79,7 +80,7 @@ def cpu_kernels():
                                build_dir)
             return load(
                 name="pdserve_cpu_kernels",
-                sources=[str(build_dir / name) for name in sources],
+                sources=[str(build_dir / path.name) for path in _SOURCES],
                 build_directory=str(build_dir),
                 extra_cflags=list(_CFLAGS),
                 extra_ldflags=list(_LDFLAGS),

@@ -85,3 +85,42 @@ def test_slots_past_the_context_are_never_read(cpu_kernels, dtype, block_size):
         v_cache[last, (n - 1) % block_size + 1:] = float("nan")
     out = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
     assert (out.double() - expected).abs().max().item() < TOLERANCE[dtype]
+
+
+def prefill_case(dtype, head_dim, num_heads, num_kv_heads, block_size, start_pos, num_tokens, seed=7):
+    """One sequence's chunk: `num_tokens` queries at positions start_pos.., its blocks
+    scattered through the cache; the slots past the chunk's last token hold NaN."""
+    q, k_cache, v_cache, tables, _ = make_case(dtype, head_dim, num_heads, num_kv_heads, block_size,
+                                               [start_pos + num_tokens], seed=seed)
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    end = start_pos + num_tokens
+    last = int(tables[0, (end - 1) // block_size])
+    k_cache[last, (end - 1) % block_size + 1:] = float("nan")
+    v_cache[last, (end - 1) % block_size + 1:] = float("nan")
+    return q, k_cache, v_cache, tables[0].contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("head_dim", "num_heads", "num_kv_heads", "block_size"),
+                         [(64, 9, 3, 16), (128, 4, 4, 5), (16, 14, 2, 32), (24, 4, 2, 16)])
+@pytest.mark.parametrize(("start_pos", "num_tokens", "tile"), [(0, 70, 16), (37, 45, 8), (0, 1, 16), (100, 33, 1)])
+def test_prefill_gives_each_token_the_bits_of_its_decode(cpu_kernels, dtype, head_dim, num_heads, num_kv_heads,
+                                                         block_size, start_pos, num_tokens, tile):
+    """paged_prefill_attention (tiles of queries over the chunk's blocks) against
+    paged_decode_attention of every token over its own prefix: the same bits, whatever the
+    tile size or where the chunk starts; and near the fp64 reference."""
+    q, k_cache, v_cache, table = prefill_case(dtype, head_dim, num_heads, num_kv_heads, block_size, start_pos,
+                                              num_tokens)
+    out = cpu_kernels.paged_prefill_attention(q, k_cache, v_cache, table, start_pos, 0.125, tile)
+    tables = table[None].expand(num_tokens, -1).contiguous()
+    lens = torch.arange(start_pos + 1, start_pos + num_tokens + 1)
+    decoded = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
+    assert torch.equal(out, decoded)
+    expected = reference(q, k_cache, v_cache, tables, lens, 0.125)
+    assert (out.double() - expected).abs().max().item() < TOLERANCE[dtype]
+
+
+def test_prefill_refuses_a_table_that_does_not_cover_the_chunk(cpu_kernels):
+    q, k_cache, v_cache, table = prefill_case(torch.float32, 64, 9, 3, 16, 0, 40)
+    with pytest.raises(RuntimeError, match="block_table does not cover the chunk"):
+        cpu_kernels.paged_prefill_attention(q, k_cache, v_cache, table[:2], 0, 0.125, 16)

@@ -1,10 +1,12 @@
-// The Python module of the CPU kernels: paged decode attention and the fused token-wise ops.
+// The Python module of the CPU kernels: paged decode and prefill attention and the fused token-wise ops.
 #include <torch/extension.h>
 
 #include <tuple>
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor ctx_lens, double scale);
+torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                      torch::Tensor block_table, int64_t start_pos, double scale, int64_t tile_size);
 torch::Tensor add_rms_norm(torch::Tensor hidden, c10::optional<torch::Tensor> delta, torch::Tensor weight,
                            double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
@@ -14,6 +16,9 @@ std::tuple<torch::Tensor, torch::Tensor> rope(torch::Tensor qk, torch::Tensor po
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention reading K/V in place through block tables");
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "one sequence's chunk attended to its cached prefix, in tiles of queries; each token the same bits as "
+        "paged_decode_attention gives it");
   m.def("add_rms_norm", &add_rms_norm, "hidden += delta (if given) in place, then RMSNorm(hidden)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [rows, 2I] gate and up side by side");
   m.def("rope", &rope, "rotate-half RoPE of the q and k heads of a strided qk view; returns q, k");
