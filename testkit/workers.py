@@ -82,13 +82,18 @@ def _die_with_the_test_process() -> None:
 
 class WorkerProcess(_Process):
     """A worker subprocess. Use as a context manager, or call `stop()`. A decode worker
-    prefills every request remotely (`--local-prefill-max-tokens 0`) unless told otherwise."""
+    prefills every request remotely (`--local-prefill-max-tokens 0`) unless told otherwise,
+    and a worker runs without the second KV tier (`--no-kv-tier-enabled`) unless the
+    arguments name a `--kv-tier-*` flag: a test of another part counts the positions it
+    computes and the KV it ships, which a node store that earlier tests filled would change."""
 
     def __init__(self, role: str, model: str, *args: str, ready_timeout_s: float = 180.0,
                  env: dict | None = None, launcher: tuple[str, ...] = ()) -> None:
         self.role = role
         if role == "decode" and "--local-prefill-max-tokens" not in args:
             args = (*args, "--local-prefill-max-tokens", "0")  # always remote: tests of the split
+        if not any(arg.startswith("--kv-tier-") for arg in args):
+            args = (*args, "--no-kv-tier-enabled")
         ready = Path(tempfile.mkdtemp()) / "ready"
         self.log_path = ready.with_name("log")
         cmd = [*launcher, sys.executable, "-m", f"{role}_worker", "--model", model, "--ready-file", str(ready), *args]

@@ -1,6 +1,7 @@
 """A real Ray cluster (started in this test process), the cluster controller, real worker
 actors and the router, reached over HTTP."""
 
+import os
 import time
 import urllib.request
 
@@ -34,12 +35,16 @@ def ray_cluster():
 
 
 def start_service(model_dir, **overrides):
-    """Create the controller with a test config; returns (controller handle, base URL)."""
+    """Create the controller with a test config; returns (controller handle, base URL). Both
+    pools share a fresh second-KV-tier directory unless `overrides` set a pool's tier."""
+    import tempfile
+
     import ray
 
     from pdserve.cluster.config import load_config
     from pdserve.cluster.controller import create_controller
 
+    tier_directory = tempfile.mkdtemp(prefix="service-", dir=os.environ.get("PDSERVE_KV_TIER_DIR"))
     settings = {
         "model": str(model_dir), "served_model_name": "tiny", "worker_host": "127.0.0.1",
         "health_check_interval_s": 0.5, "kv_transfer_timeout_s": 10,
@@ -48,6 +53,10 @@ def start_service(model_dir, **overrides):
         "local_prefill_max_tokens": 0,  # the tests are of the split: every prompt goes to a prefill worker
     }
     settings.update(overrides)
+    for pool in ("prefill", "decode"):  # the tier (on by default) in a store of this service's own
+        engine = settings.get(f"{pool}.engine")
+        if not (isinstance(engine, dict) and "kv_tier" in engine):
+            settings[f"{pool}.engine.kv_tier.directory"] = tier_directory
     config = load_config(None, settings)
     controller = create_controller(config)
     url = ray.get(controller.start.remote())
