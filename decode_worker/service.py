@@ -245,14 +245,17 @@ class DecodeService(WorkerServiceBase, pb_grpc.DecodeWorkerServicer):
     def _where_to_prefill(self, num_tokens: int, cached: int, have_prefill: bool,
                           prefill_queued_tokens: int = 0) -> tuple[str, str]:
         """("remote" | "local", why). Local when no prefill worker was offered, or when what
-        this worker's cache lacks is at most `local_prefill_max_tokens` (a short tail, e.g. a
-        chat's next user turn: a round trip to the prefill pool would cost more than it saves).
-        With a profile loaded, also local when the latency model predicts prefilling the tail
-        here beats the prefill worker's queue plus the same prefill plus shipping the KV."""
+        this worker's cache lacks, added to the prompt tokens its engine has yet to compute, is
+        at most `local_prefill_max_tokens` (a short tail, e.g. a chat's next user turn: a round
+        trip to the prefill pool would cost more than it saves, unless short tails pile up
+        here, as they do when the second KV tier leaves most turns only their new tokens: then
+        they go to the prefill pool instead of slowing this worker's batch). With a profile
+        loaded, also local when the latency model predicts prefilling the tail here beats the
+        prefill worker's queue plus the same prefill plus shipping the KV."""
         uncached = num_tokens - cached
         if not have_prefill:
             return "local", "no_prefill_worker"
-        if uncached <= self.config.local_prefill_max_tokens:
+        if uncached + self.engine.queued_prompt_tokens() <= self.config.local_prefill_max_tokens:
             return "local", "few_uncached_tokens"
         if self.profile is not None:
             load = self.engine.load()

@@ -161,6 +161,10 @@ class LLMEngine:
             **(self.kv_tier.load_fields() if self.kv_tier is not None else {}),
         )
 
+    def queued_prompt_tokens(self) -> int:
+        """Prompt tokens its requests have yet to compute (EngineLoad.queued_prompt_tokens)."""
+        return self.scheduler.queued_prompt_tokens()
+
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, detokenize: bool = True) -> Request:
         """Validate and queue a request; raises ValueError naming what is wrong."""

@@ -27,8 +27,8 @@ class WorkerSettings(BaseModel):
                                       "request's KV pieces for this long (it stopped reading), that request's leg "
                                       "fails and the engine moves on")
     local_prefill_max_tokens: int = Field(256, ge=0, le=1 << 24, description="decode worker: prefill a request "
-                                          "here, not on a prefill worker, when its prefix cache lacks at most this "
-                                          "many prompt tokens")
+                                          "here, not on a prefill worker, when the prompt tokens its prefix cache "
+                                          "lacks, with those this worker has yet to compute, are at most this many")
     max_queued_requests: int = Field(1024, ge=1, description="past this many requests waiting (decode worker: for "
                                      "KV blocks or a batch slot; prefill worker: open legs), new ones are refused "
                                      "(RESOURCE_EXHAUSTED: the router retries another decode worker, then answers "

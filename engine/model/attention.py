@@ -9,13 +9,15 @@ Cache layout per layer: `k_cache`, `v_cache` of shape `[num_blocks, block_size, 
 head_dim]`; a token at position p of a sequence lives in slot
 `block_table[p // block_size] * block_size + p % block_size`.
 
-In bf16 (and fp16) on the CPU every query token, decode or prefill, is attended by the one
-paged kernel, so a token's attention output is the same bits whether it was computed in a
-prefill, a chunk of one, or a decode step (after preemption or migration). Two kernels
-summing in different orders differ in the last bits; bf16's 8-bit mantissa turns that into
-flipped tokens (measured: 5-7 of 32 requests differed alone vs batched with SDPA for
-prefill). fp32 keeps SDPA for prefill: its differences stay near 1e-7, and SDPA's prefill is
-~10% faster than the kernel.
+In bf16 (and fp16) on the CPU every query token, decode or prefill, is attended by the
+paged kernels (the prefill kernel gives each token the decode kernel's bits), so a token's
+attention output is the same bits whether it was computed in a prefill, a chunk of one, or
+a decode step (after preemption or migration). Two kernels summing in different orders
+differ in the last bits; bf16's 8-bit mantissa turns that into flipped tokens (measured:
+5-7 of 32 requests differed alone vs batched with SDPA for prefill). fp32 goes through the
+kernels too where the prefill kernel is tiled (AVX-512 builds, head sizes 16/32/64/128:
+1.5-2.3x faster than SDPA here, benchmarks/prefill_attention.py), else through SDPA, whose
+differences stay near 1e-7 and which beats running every token as a decode.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ import torch.nn.functional as F
 from pdserve.engine.model.kernels import cpu_kernels
 
 _ONE_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
-PREFILL_TILE = 8  # queries per tile of the prefill kernel (benchmarks/prefill_attention.py)
+_TILED_HEAD_DIMS = (16, 32, 64, 128)
+PREFILL_TILE = 16  # queries per tile of the prefill kernel (benchmarks/prefill_attention.py: 16-32 fastest)
 
 
 @dataclass
@@ -75,7 +78,7 @@ def paged_attention(
     if meta.num_decodes:
         idx = meta.decode_token_index
         out[idx] = _decode_attention(q[idx], k_cache, v_cache, meta, scale)
-    kernel = cpu_kernels() if q.device.type == "cpu" and q.dtype in _ONE_KERNEL_DTYPES else None
+    kernel = _prefill_kernel(q)
     for span in meta.prefills:
         rows = slice(span.token_start, span.token_start + span.num_tokens)
         if kernel is not None:
@@ -83,6 +86,16 @@ def paged_attention(
         else:
             out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, span, scale)
     return out
+
+
+def _prefill_kernel(q: torch.Tensor):
+    """The kernels' module when they attend this step's prefill chunks, else None (SDPA)."""
+    if q.device.type != "cpu" or (kernel := cpu_kernels()) is None:
+        return None
+    if q.dtype in _ONE_KERNEL_DTYPES:
+        return kernel
+    tiled = q.dtype == torch.float32 and kernel.tiled_prefill and q.shape[-1] in _TILED_HEAD_DIMS
+    return kernel if tiled else None
 
 
 def _prefill_through_kernel(kernel, q, k_cache, v_cache, span: PrefillSpan, scale: float):

@@ -14,7 +14,7 @@ PROFILE = Profile("m", (0.005, 0.0001, 0.0), (0.002, 0.001, 0.0), kv_bytes_per_t
 def worker(profile=None, running=0, queued_here=0, threshold=64):
     load = SimpleNamespace(num_running=running, running_tokens=100 * running, queued_prompt_tokens=queued_here)
     return SimpleNamespace(config=SimpleNamespace(local_prefill_max_tokens=threshold), profile=profile,
-                           engine=SimpleNamespace(load=lambda: load))
+                           engine=SimpleNamespace(load=lambda: load, queued_prompt_tokens=lambda: queued_here))
 
 
 def decide(w, num_tokens, cached, have_prefill=True, prefill_queue=0):
@@ -26,6 +26,12 @@ def test_threshold_on_what_the_cache_lacks():
     assert decide(w, 1000, 960) == ("local", "few_uncached_tokens")  # a chat's next turn
     assert decide(w, 1000, 0) == ("remote", "many_uncached_tokens")
     assert decide(w, 1000, 0, have_prefill=False) == ("local", "no_prefill_worker")
+
+
+def test_short_tails_go_to_the_prefill_pool_once_they_pile_up_here():
+    assert decide(worker(queued_here=24), 1000, 960) == ("local", "few_uncached_tokens")  # 40 + 24 <= 64
+    assert decide(worker(queued_here=25), 1000, 960) == ("remote", "many_uncached_tokens")
+    assert decide(worker(queued_here=500), 1000, 960, have_prefill=False) == ("local", "no_prefill_worker")
 
 
 def test_latency_model_weighs_the_prefill_queue_and_transfer_against_local_interference():

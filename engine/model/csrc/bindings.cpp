@@ -19,6 +19,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "one sequence's chunk attended to its cached prefix, in tiles of queries; each token the same bits as "
         "paged_decode_attention gives it");
+#if defined(__AVX512F__)
+  m.attr("tiled_prefill") = true;  // paged_prefill_attention tiles head sizes 16/32/64/128
+#else
+  m.attr("tiled_prefill") = false;  // it runs every token through the decode kernel
+#endif
   m.def("add_rms_norm", &add_rms_norm, "hidden += delta (if given) in place, then RMSNorm(hidden)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [rows, 2I] gate and up side by side");
   m.def("rope", &rope, "rotate-half RoPE of the q and k heads of a strided qk view; returns q, k");
