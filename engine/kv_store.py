@@ -411,12 +411,14 @@ class KVStore:
         return bandwidth
 
     def stats(self) -> dict[str, int | float]:
-        """This store object's counters (puts, written, skipped, dropped, write_errors, hits,
-        misses, corrupt, evicted, swept: files removed at open) and the node-wide `bytes` and
-        `files` of the index, `budget_bytes`, `queued_bytes` and `read_bandwidth` (measured
-        or probed; never probes)."""
+        """This store object's counters (puts, written, skipped, dropped, write_errors,
+        write_retries, hits, misses, corrupt, evicted, swept: files removed at open), its
+        state (`writable`, `enabled`: 1 or 0) and the node-wide `bytes` and `files` of the
+        index, `budget_bytes`, `queued_bytes` and `read_bandwidth` (measured or probed; never
+        probes)."""
         with self._cond:
             out: dict[str, int | float] = dict(self._counts)
+            out["writable"], out["enabled"] = int(self.writable), int(self.enabled)
             out["queued_bytes"] = self._queued_bytes
             out["read_bandwidth"] = self._measured_bandwidth() or self._probed or 0.0
         out["bytes"] = out["files"] = 0

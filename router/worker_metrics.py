@@ -15,6 +15,8 @@ workers report through the router rather than serve Prometheus themselves). Labe
     pdserve_worker_kv_tier_blocks_written_total             blocks the worker wrote through to the tier
     pdserve_worker_kv_tier_bytes / _blocks                  what the node's tier holds, as the worker reads it
     pdserve_worker_kv_tier_read_bandwidth_bytes_per_second  what the worker's tier reads measured
+    pdserve_worker_kv_tier_state{state}                     1 for on, read-only or off (its store degraded)
+    pdserve_worker_kv_tier_problems_total{kind}             write_errors, corrupt blocks, dropped puts
     pdserve_worker_step_seconds (histogram)                 each engine step's wall time
     pdserve_worker_batch_size (histogram)                   sequences per engine step
     pdserve_kv_transfer_worker_bytes_total{transport,direction}
@@ -124,6 +126,13 @@ class _TierFamilies:
                                         "worker's store reads its index", labels=_WORKER)
         self.bandwidth = GaugeMetricFamily("pdserve_worker_kv_tier_read_bandwidth_bytes_per_second", "bytes per "
                                            "second the worker's KV tier reads measured (0: none yet)", labels=_WORKER)
+        self.state = GaugeMetricFamily("pdserve_worker_kv_tier_state", "1 for the state the worker's KV tier store "
+                                       "is in: on, read-only (a write failed: retried each minute) or off (its "
+                                       "directory or index failed)", labels=[*_WORKER, "state"])
+        self.problems = CounterMetricFamily("pdserve_worker_kv_tier_problems", "the worker's KV tier store's "
+                                            "failed write batches (write_errors), blocks refused by their checksum "
+                                            "(corrupt) and puts dropped (dropped: full queue, not writable)",
+                                            labels=[*_WORKER, "kind"])
 
     def add(self, labels: list[str], s: pb.WorkerStats) -> None:
         self.hits.add_metric(labels, s.kv_tier_hit_tokens)
@@ -133,6 +142,13 @@ class _TierFamilies:
         self.bytes.add_metric(labels, s.kv_tier_bytes)
         self.blocks.add_metric(labels, s.kv_tier_store.get("files", 0))
         self.bandwidth.add_metric(labels, s.kv_tier_read_bandwidth)
+        store = s.kv_tier_store
+        current = "on" if store.get("writable") else "read-only" if store.get("enabled") else "off"
+        for state in ("on", "read-only", "off"):
+            self.state.add_metric([*labels, state], float(state == current))
+        for kind in ("write_errors", "corrupt", "dropped"):
+            self.problems.add_metric([*labels, kind], store.get(kind, 0))
 
     def families(self):
-        return self.hits, self.decisions, self.written, self.bytes, self.blocks, self.bandwidth
+        return (self.hits, self.decisions, self.written, self.bytes, self.blocks, self.bandwidth, self.state,
+                self.problems)

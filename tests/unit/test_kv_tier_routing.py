@@ -308,16 +308,17 @@ class Registry:
         return [v for v in self.views if v.role == role]
 
 
-def tiered_stats(worker_id: str, hits: int) -> pb.WorkerStats:
+def tiered_stats(worker_id: str, hits: int, writable: int = 1) -> pb.WorkerStats:
     return pb.WorkerStats(worker_id=worker_id, role="decode", prefix_cache_hit_tokens=64,
                           prefix_cache_query_tokens=400, kv_tier_hit_tokens=hits,
                           kv_tier_decisions={"load": 3, "recompute: slower": 1}, kv_tier_blocks_written=9,
                           kv_tier_bytes=5 << 20, kv_tier_read_bandwidth=2e9,
-                          kv_tier_store={"files": 14, "budget_bytes": 8 << 30})
+                          kv_tier_store={"files": 14, "budget_bytes": 8 << 30, "writable": writable, "enabled": 1,
+                                         "write_errors": 1 - writable, "corrupt": 2, "dropped": 3})
 
 
 def test_metrics_export_tier_hits_apart_from_pool_hits_for_workers_with_a_tier():
-    registry = Registry(tiered_stats("d1", 96), tiered_stats("d2", 32),
+    registry = Registry(tiered_stats("d1", 96), tiered_stats("d2", 32, writable=0),
                         pb.WorkerStats(worker_id="plain", role="decode", prefix_cache_hit_tokens=5))
     text = generate_latest(RouterMetrics(registry).registry).decode()
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
@@ -331,6 +332,14 @@ def test_metrics_export_tier_hits_apart_from_pool_hits_for_workers_with_a_tier()
     assert samples["pdserve_worker_kv_tier_bytes", d1] == 5 << 20
     assert samples["pdserve_worker_kv_tier_blocks", d1] == 14
     assert samples["pdserve_worker_kv_tier_read_bandwidth_bytes_per_second", d1] == 2e9
+    states = {w: [state for state in ("on", "read-only", "off") if samples[
+        "pdserve_worker_kv_tier_state", (("pool", "decode"), ("state", state), ("worker", w))] == 1]
+        for w in ("d1", "d2")}
+    assert states == {"d1": ["on"], "d2": ["read-only"]}  # a store degraded after a write error
+    problems = {kind: samples["pdserve_worker_kv_tier_problems_total", (("kind", kind), ("pool", "decode"),
+                                                                        ("worker", "d2"))]
+                for kind in ("write_errors", "corrupt", "dropped")}
+    assert problems == {"write_errors": 1, "corrupt": 2, "dropped": 3}
     assert samples["pdserve_kv_tier_hit_tokens_total", (("pool", "decode"),)] == 96 + 32
     assert samples["pdserve_prefix_cache_hit_tokens_total", (("pool", "decode"),)] == 64 + 64 + 5
     assert not [key for key in samples if "kv_tier" in key[0] and ("worker", "plain") in key[1]]
