@@ -1,7 +1,8 @@
-"""Cache-aware routing on a real cluster of 2 prefill + 2 decode workers: a conversation
-stays on the decode worker holding its KV even when that worker is the busier one, a hot
-shared prefix spreads once its worker is loaded, tokens are what the offline engine makes,
-and workers that leave the pool leave the router's cache index."""
+"""Cache-aware routing on a real cluster of 2 prefill + 2 decode workers (their own caches;
+the second KV tier off): a conversation stays on the decode worker holding its KV even when
+that worker is the busier one, a hot shared prefix spreads once its worker is loaded, tokens
+are what the offline engine makes, and workers that leave the pool leave the router's cache
+index."""
 
 import http.client
 import json
@@ -18,7 +19,12 @@ from tests.e2e.http import get, metric, post
 
 @pytest.fixture(scope="module")
 def pool(ray_cluster, tiny_llama_dir):
-    controller, url = start_service(tiny_llama_dir, **{"prefill.replicas": 2, "decode.replicas": 2})
+    # the workers' own caches only: with the second KV tier on (its default), the other decode
+    # worker on this one node holds a conversation's history in the node's store as well, and
+    # may rightly take a turn (tests/unit/test_kv_tier_routing.py weighs that case)
+    no_tier = {"kv_tier": {"enabled": False}}
+    controller, url = start_service(tiny_llama_dir, **{"prefill.replicas": 2, "decode.replicas": 2,
+                                                       "prefill.engine": no_tier, "decode.engine": no_tier})
     # the router learns each worker's hash root on its first cache poll: wait for all four
     wait_for(lambda: len(status(controller)["routing"]["index"]) == 4, "the router's index tracks every worker")
     yield controller, url, str(tiny_llama_dir)
