@@ -15,8 +15,8 @@ attention output is the same bits whether it was computed in a prefill, a chunk 
 a decode step (after preemption or migration). Two kernels summing in different orders
 differ in the last bits; bf16's 8-bit mantissa turns that into flipped tokens (measured:
 5-7 of 32 requests differed alone vs batched with SDPA for prefill). fp32 goes through the
-kernels too where the prefill kernel is tiled (AVX-512 builds, head sizes 16/32/64/128:
-1.5-2.3x faster than SDPA here, benchmarks/prefill_attention.py), else through SDPA, whose
+kernels too where the prefill kernel is tiled (AVX-512 builds, head sizes 16/32/64/128;
+faster than SDPA there: benchmarks/prefill_attention.py), else through SDPA, whose
 differences stay near 1e-7 and which beats running every token as a decode.
 """
 
@@ -31,7 +31,7 @@ from pdserve.engine.model.kernels import cpu_kernels
 
 _ONE_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 _TILED_HEAD_DIMS = (16, 32, 64, 128)
-PREFILL_TILE = 16  # queries per tile of the prefill kernel (benchmarks/prefill_attention.py: 16-32 fastest)
+PREFILL_TILE = 16  # queries per tile of the prefill kernel (chosen with benchmarks/prefill_attention.py)
 
 
 @dataclass
