@@ -199,6 +199,89 @@ struct DotFor { using type = Dot<T, D>; };
 #endif
 
 
+#if defined(__AVX512BF16__)
+// 16 rows of 16 dwords transposed in registers: afterwards r[j] lane i is what r[i] lane j was.
+inline void transpose16x16(__m512i (&r)[16]) {
+  __m512i t[16], u[16];
+  for (int k = 0; k < 8; ++k) {  // per 128-bit lane L: rows 2k, 2k+1 at columns 4L..4L+3, interleaved
+    t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+    t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+  }
+  for (int k = 0; k < 4; ++k) {  // u[4k + m] lane L: rows 4k..4k+3 at column 4L + m
+    u[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+    u[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+    u[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+    u[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+  }
+  for (int m = 0; m < 4; ++m) {  // column 4L + m gathers lane L of u[m], u[4+m], u[8+m], u[12+m]
+    const __m512i v0 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x88), w0 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xDD);
+    const __m512i v1 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x88),
+                  w1 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xDD);
+    r[m] = _mm512_shuffle_i32x4(v0, v1, 0x88);
+    r[8 + m] = _mm512_shuffle_i32x4(v0, v1, 0xDD);
+    r[4 + m] = _mm512_shuffle_i32x4(w0, w1, 0x88);
+    r[12 + m] = _mm512_shuffle_i32x4(w0, w1, 0xDD);
+  }
+}
+
+// Keys in lanes: up to 16 consecutive cached tokens' bf16 K rows of one kv head (`key`: the
+// first token's row for that head) rearranged so that kt[p] (p < D/2) holds, in lane t, dims
+// 2p and 2p+1 of token t; lanes past `n` are zero (those rows are never read).
+template <int64_t D>
+inline void keys_in_lanes(const c10::BFloat16* key, int64_t token_stride, int64_t n, __m512i* kt) {
+  constexpr int64_t P = D / 2;  // bf16 pairs (dwords) per row
+  for (int64_t c = 0; c < P; c += 16) {
+    const __mmask16 cols = P - c >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (P - c)) - 1);
+    __m512i r[16];
+    for (int64_t t = 0; t < 16; ++t)
+      r[t] = t < n ? _mm512_maskz_loadu_epi32(cols, key + t * token_stride + 2 * c) : _mm512_setzero_si512();
+    transpose16x16(r);
+    for (int64_t j = 0; j < std::min<int64_t>(16, P - c); ++j) kt[c + j] = r[j];
+  }
+}
+
+// Two neighbouring bf16 (or uint16) values as one 32-bit word, the first in the low half.
+inline int32_t pair_word(const void* p) {
+  int32_t word;
+  __builtin_memcpy(&word, p, sizeof(word));
+  return word;
+}
+
+// acc + x . w in every lane, x's bf16 pairs times the pair `w` (the same in every lane): the
+// one form in which both kernels multiply pairs, so that their bits agree. `w` comes second
+// so that a pair read from memory becomes the instruction's broadcast operand.
+inline __m512 dot_pair(__m512 acc, __m512bh x, __m512bh w) { return _mm512_dpbf16_ps(acc, x, w); }
+inline __m512bh pair_at(const void* p) { return (__m512bh)_mm512_set1_epi32(pair_word(p)); }
+
+// The scaled scores of R query rows (bf16, `q_stride` elements apart) against NB groups of
+// keys in lanes (group b at kt + b * D/2): out[b][r] lane t = scale * the chain of vdpbf16ps
+// over the D/2 pairs in order (from zero) of row r with token t. A score depends only on its
+// query row and its token's K row, not on R, NB, the grouping of tokens or the other rows,
+// so every kernel that scores through this function gives a token the same bits. (The
+// chain runs one instruction per pair; its latency is hidden by the R x NB independent
+// chains, and no horizontal reduction is needed: 64 FLOPs per instruction.)
+template <int64_t D, int R, int NB>
+inline void score_rows(const __m512i* kt, const c10::BFloat16* q, int64_t q_stride, float scale,
+                       __m512 (&out)[NB][R]) {
+  constexpr int64_t P = D / 2;
+  __m512 acc[NB][R];
+  for (int b = 0; b < NB; ++b)
+    for (int r = 0; r < R; ++r) acc[b][r] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+  for (int64_t p = 0; p < P; ++p) {
+    __m512bh k[NB];
+    for (int b = 0; b < NB; ++b) k[b] = (__m512bh)_mm512_loadu_si512(kt + b * P + p);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh w = pair_at(q + r * q_stride + 2 * p);
+      for (int b = 0; b < NB; ++b) acc[b][r] = dot_pair(acc[b][r], k[b], w);
+    }
+  }
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int b = 0; b < NB; ++b)
+    for (int r = 0; r < R; ++r) out[b][r] = _mm512_mul_ps(acc[b][r], s);
+}
+#endif
+
 // The scaled scores of one query head against `n` <= 16 consecutive cached tokens (`key`:
 // the first one's row for this head), stored to `out[0..n)`: 16 partial sums per token,
 // reduced together by transpose_sum16. Both kernels score through this one function, so a
@@ -240,27 +323,46 @@ inline __m512bh pair_weights(const uint16_t* p, bool single) {
   return (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(word));
 }
 
-// One row of `len` exps times `inv` (the row's 1/sum: the softmax, as softmax_rows computes
-// it) rounded to bf16, into `out`, `len + 1` long (the last entry 0).
-inline void round_row_to_bf16(const float* s, float inv_sum, int64_t len, uint16_t* o) {
-  const __m512 inv = _mm512_set1_ps(inv_sum);
-  int64_t t = 0;
-  for (; t + 16 <= len; t += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + t),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(s + t), inv)));
-  if (t < len) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (len - t)) - 1);
-    _mm256_mask_storeu_epi16(o + t, m,
-                             (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + t), inv)));
-  }
-  o[len] = 0;
+// exp(x) for x <= 0, 16 lanes, inline (a call to libmvec spills the caller's registers):
+// 2^n * 2^f with n = round(x * log2 e), |f| <= 1/2, and 2^f by its degree-6 Taylor
+// polynomial (relative error ~1e-7, below bf16's 4e-3 by far); vscalefps gives 0 where 2^n
+// underflows. Exact arithmetic order fixed here, so every caller gets the same bits.
+inline __m512 exp16(__m512 x) {
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.54035304e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.33335581e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.61812911e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.55041087e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40226507e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93147181e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
 }
 
-// `rows` rows of `len` exps (round_row_to_bf16 each), into rows `len + 1` long.
-inline void round_rows_to_bf16(const float* exps, const float* inv_sums, int64_t rows, int64_t len,
-                               std::vector<uint16_t>& out) {
-  out.resize(rows * (len + 1));
-  for (int64_t h = 0; h < rows; ++h) round_row_to_bf16(exps + h * len, inv_sums[h], len, out.data() + h * (len + 1));
+// One row of `len` scores to the weights of bf16 P.V: exp(score - the row's max) rounded to
+// bf16 into `o` (`len + 1` long, the last entry 0), in one pass (exp16, the sum taken 16
+// lanes at a time from the row's first element, so the row's address changes nothing). Returns
+// 1/sum of the rounded weights: the caller scales the weighted sum of V by it (as flash
+// attention normalises at the end), so the rounded weights of a row sum to exactly one.
+inline float exp_row_to_bf16(const float* s, int64_t len, uint16_t* o) {
+  const __m512 max_score = _mm512_set1_ps(row_max(s, len));
+  __m512 sum = _mm512_setzero_ps();
+  int64_t t = 0;
+  for (; t + 16 <= len; t += 16) {
+    const __m256bh e = _mm512_cvtneps_pbh(exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), max_score)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + t), (__m256i)e);
+    sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(e));
+  }
+  if (t < len) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (len - t)) - 1);
+    const __m256bh e = _mm512_cvtneps_pbh(exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), max_score)));
+    _mm256_mask_storeu_epi16(o + t, m, (__m256i)e);
+    sum = _mm512_mask_add_ps(sum, m, sum, _mm512_cvtpbh_ps(e));
+  }
+  o[len] = 0;
+  return 1.f / _mm512_reduce_add_ps(sum);
 }
 #endif
 

@@ -155,8 +155,9 @@ inline void weigh_values_bf16(const c10::BFloat16* values, const int64_t* table,
       __m512bh pairs[C];
       pair_rows<D>(value, single ? nullptr : value + token_stride, pairs);
       for (int64_t j = 0; j < NH; ++j) {
-        const __m512bh w = pair_weights(probs16 + j * stride + first + i, single);
-        for (int64_t c = 0; c < C; ++c) acc[j][c] = _mm512_dpbf16_ps(acc[j][c], w, pairs[c]);
+        const uint16_t* p = probs16 + j * stride + first + i;
+        const __m512bh w = single ? pair_weights(p, true) : pair_at(p);
+        for (int64_t c = 0; c < C; ++c) acc[j][c] = dot_pair(acc[j][c], pairs[c], w);
       }
     }
   }
@@ -164,6 +165,58 @@ inline void weigh_values_bf16(const c10::BFloat16* values, const int64_t* table,
     for (int64_t c = 0; c < C; ++c) out[j][c] = acc[j][c];
 }
 
+#endif
+
+#if defined(__AVX512BF16__)
+// The scaled scores of a GQA group's query heads (`q`: the first head's bf16 row, the
+// others D apart; `group` of them) against one sequence's first `ctx` cached tokens, keys
+// in lanes (keys_in_lanes, score_rows): row j of `scores` (`ctx` apart) for head j. Tokens
+// go in groups of up to 16 within a block, four groups scored together so that the R x 4
+// chains of vdpbf16ps keep the units busy; a score's bits do not depend on that grouping.
+template <int64_t D, int R>
+inline void score_heads(const __m512i* kt, const int64_t* pos, const int64_t* count, int64_t groups,
+                        const c10::BFloat16* q, float scale, float* scores, int64_t ctx) {
+  __m512 s[4][R];
+  score_rows<D, R, 4>(kt, q, D, scale, s);
+  for (int64_t g = 0; g < groups; ++g)
+    for (int r = 0; r < R; ++r)
+      _mm512_mask_storeu_ps(scores + r * ctx + pos[g], static_cast<__mmask16>((1u << count[g]) - 1), s[g][r]);
+}
+
+template <int64_t D>
+inline void score_group_bf16(const c10::BFloat16* q, int64_t group, const c10::BFloat16* keys, const int64_t* table,
+                             int64_t num_blocks, int64_t block_size, int64_t block_stride, int64_t token_stride,
+                             int64_t ctx, float scale, float* scores) {
+  constexpr int64_t P = D / 2;
+  alignas(64) __m512i kt[4 * P];
+  int64_t pos[4], count[4], groups = 0;
+  auto flush = [&] {
+    for (int64_t g = groups; g < 4; ++g)
+      for (int64_t p = 0; p < P; ++p) kt[g * P + p] = _mm512_setzero_si512();
+    for (int64_t h = 0; h < group; h += 4) {
+      const c10::BFloat16* qh = q + h * D;
+      float* rows = scores + h * ctx;
+      switch (std::min<int64_t>(4, group - h)) {
+        case 1: score_heads<D, 1>(kt, pos, count, groups, qh, scale, rows, ctx); break;
+        case 2: score_heads<D, 2>(kt, pos, count, groups, qh, scale, rows, ctx); break;
+        case 3: score_heads<D, 3>(kt, pos, count, groups, qh, scale, rows, ctx); break;
+        default: score_heads<D, 4>(kt, pos, count, groups, qh, scale, rows, ctx);
+      }
+    }
+    groups = 0;
+  };
+  for (int64_t blk = 0; blk < num_blocks; ++blk) {
+    const int64_t first = blk * block_size, tokens = std::min(block_size, ctx - first);
+    const c10::BFloat16* block = keys + table[blk] * block_stride;
+    for (int64_t i0 = 0; i0 < tokens; i0 += 16) {
+      pos[groups] = first + i0;
+      count[groups] = std::min<int64_t>(16, tokens - i0);
+      keys_in_lanes<D>(block + i0 * token_stride, token_stride, count[groups], kt + groups * P);
+      if (++groups == 4) flush();
+    }
+  }
+  if (groups > 0) flush();
+}
 #endif
 
 template <typename T, int64_t D>
@@ -183,6 +236,9 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   using DotT = typename DotFor<T, D>::type;
 #if defined(__AVX512BF16__)
   constexpr bool kPairedValues = std::is_same_v<T, c10::BFloat16> && D % 32 == 0;
+  constexpr bool kKeysInLanes = std::is_same_v<T, c10::BFloat16>;
+#else
+  constexpr bool kPairedValues = false;
 #endif
 
   at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
@@ -194,6 +250,18 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
       const int64_t num_blocks = (ctx + block_size - 1) / block_size;
       const int64_t* table = bt_ptr + b * max_blocks;
       scores.resize(num_heads * ctx);
+#if defined(__AVX512BF16__)
+      if constexpr (kKeysInLanes) {  // q.k for every (head, token), scaled: keys in lanes
+        for (int64_t blk = 0; blk < std::min<int64_t>(num_blocks, 32); ++blk) {  // scattered blocks: fetch ahead
+          prefetch_l2(k_ptr + table[blk] * block_stride, block_stride);
+          prefetch_l2(v_ptr + table[blk] * block_stride, block_stride);
+        }
+        for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head)
+          score_group_bf16<D>(q_ptr + (b * num_heads + kv_head * group) * D, group, k_ptr + kv_head * D, table,
+                              num_blocks, block_size, block_stride, token_stride, ctx, fscale,
+                              scores.data() + kv_head * group * ctx);
+      } else
+#endif
       // q.k for every (head, token), scaled
       for (int64_t blk = 0; blk < num_blocks; ++blk) {
         const int64_t first = blk * block_size, count = std::min(block_size, ctx - first);
@@ -209,10 +277,11 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         }
       }
 #if defined(__AVX512BF16__)
-      if constexpr (kPairedValues) {  // exps scaled by 1/sum as they are rounded to bf16
+      if constexpr (kPairedValues) {  // bf16 exps; the weighted sums are scaled by 1/sum below
         inv_sums.resize(num_heads);
-        exp_rows(scores.data(), num_heads, ctx, inv_sums.data());
-        round_rows_to_bf16(scores.data(), inv_sums.data(), num_heads, ctx, probs16);
+        probs16.resize(num_heads * (ctx + 1));
+        for (int64_t h = 0; h < num_heads; ++h)
+          inv_sums[h] = exp_row_to_bf16(scores.data() + h * ctx, ctx, probs16.data() + h * (ctx + 1));
       } else
 #endif
         softmax_rows(scores.data(), num_heads, ctx, inv_sums);
@@ -248,7 +317,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
           }
           for (int64_t j = 0; j < nh; ++j) {
             T* o = out_ptr + (b * num_heads + h0 + j) * D;
-            for (int64_t c = 0; c < C; ++c) _mm512_store_ps(row + 16 * c, acc[j][c]);
+            const __m512 norm = _mm512_set1_ps(kPairedValues ? inv_sums[h0 + j] : 1.f);
+            for (int64_t c = 0; c < C; ++c) _mm512_store_ps(row + 16 * c, kPairedValues ? _mm512_mul_ps(acc[j][c], norm) : acc[j][c]);
             for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(row[d]);
           }
         }

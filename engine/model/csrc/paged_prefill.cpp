@@ -29,6 +29,8 @@ namespace {
 
 using namespace pdserve_attention;
 
+constexpr int64_t kSpanTokens = 64;  // bf16: V tokens weighed per load and store of the accumulators
+
 // The k-th tile to run of `num_tiles`, in the balanced order: 0, n-1, 1, n-2, ...
 inline int64_t balanced_tile(int64_t k, int64_t num_tiles) { return k % 2 == 0 ? k / 2 : num_tiles - 1 - k / 2; }
 
@@ -38,31 +40,66 @@ namespace fast {
 using namespace pdserve_attention::simd;
 
 #if defined(__AVX512BF16__)
-// One V block of one kv head weighed into the accumulators (`acc`, [query][head][D] fp32) of
-// every query of a tile that attends to it, pair by pair as the decode kernel's
-// weigh_values_bf16 does: tokens (t, t+1) of the block per vdpbf16ps, a query's odd last
-// token of the block against a zero row. Query i's context is `ctx0 + i`; the block starts
-// at position `first`, and the tile's last query attends to `block_tokens` of its tokens.
-// The pairs are made once per block for all the tile's queries (`full`, and `single` for
-// the odd counts some query ends on).
+// R rows (row_of[k] + h0: query i's head h0 + j at i * num_heads + j) that each take the
+// first `count` tokens of the block weighed into their accumulators (`acc`, [query][head][D]),
+// pair by pair as weigh_values_bf16 does; `full`/`single`: the block's V pairs (weigh_block_bf16).
+template <int64_t D, int64_t R>
+inline void weigh_rows(int64_t count, const std::vector<uint16_t>& full, const std::vector<uint16_t>& single,
+                       const uint16_t* probs16, int64_t p_stride, int64_t first, const int64_t* row_of, int64_t h0,
+                       float* acc) {
+  constexpr int64_t C = D / 16, V = 32;
+  const uint16_t* probs[R];
+  float* a[R];
+  __m512 sum[R][C];
+  for (int64_t k = 0; k < R; ++k) {
+    const int64_t row = row_of[k] + h0;
+    probs[k] = probs16 + row * p_stride + first;
+    a[k] = acc + row * D;
+    for (int64_t c = 0; c < C; ++c) sum[k][c] = _mm512_loadu_ps(a[k] + 16 * c);
+  }
+  auto weigh = [&](const uint16_t* pairs, int64_t t, bool alone) {
+    __m512bh v[C];
+    for (int64_t c = 0; c < C; ++c) v[c] = (__m512bh)_mm512_loadu_si512(pairs + c * V);
+    for (int64_t k = 0; k < R; ++k) {
+      const __m512bh w = alone ? pair_weights(probs[k] + t, true) : pair_at(probs[k] + t);
+      for (int64_t c = 0; c < C; ++c) sum[k][c] = dot_pair(sum[k][c], v[c], w);
+    }
+  };
+  int64_t t = 0;
+  for (; t + 1 < count; t += 2) weigh(&full[t / 2 * C * V], t, false);
+  if (t < count) weigh(&single[t / 2 * C * V], t, true);
+  for (int64_t k = 0; k < R; ++k)
+    for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(a[k] + 16 * c, sum[k][c]);
+}
+
+// A span of V (the tokens of `nblocks` consecutive blocks of one kv head, `values[b]` the
+// first token's row of block b; several blocks only where block_size is even, so no pair
+// crosses a block) weighed into the accumulators (`acc`, [query][head][D] fp32) of every
+// query of a tile that attends to it, pair by pair as the decode kernel's weigh_values_bf16
+// does: tokens (t, t+1) of a block per vdpbf16ps, a query's odd last token against a zero
+// row. Query i's context is `ctx0 + i`; the span starts at position `first`, and the tile's
+// last query attends to `span_tokens` of its tokens. The pairs are made once per span for
+// all the tile's queries (`full`, and `single` for the odd counts some query ends on), and
+// each group of rows loads and stores its accumulators once per span.
 template <int64_t D>
-inline void weigh_block_bf16(const c10::BFloat16* value, int64_t token_stride, int64_t block_size,
-                             int64_t block_tokens, int64_t first, int64_t ctx0, int64_t nq, int64_t num_heads,
-                             int64_t h0, int64_t group, const uint16_t* probs16, int64_t p_stride, float* acc,
-                             std::vector<uint16_t>& full, std::vector<uint16_t>& single) {
+inline void weigh_span_bf16(const c10::BFloat16* const* values, int64_t token_stride, int64_t block_size,
+                            int64_t span_tokens, int64_t first, int64_t ctx0, int64_t nq, int64_t h0, int64_t group,
+                            const uint16_t* probs16, int64_t p_stride, float* acc, std::vector<uint16_t>& full,
+                            std::vector<uint16_t>& single, const int64_t* query_of, const int64_t* row_of) {
   constexpr int64_t C = D / 16, V = 32;  // vectors of pairs per token pair; bf16 lanes per vector
-  const int64_t npairs = (block_tokens + 1) / 2;
+  const int64_t npairs = (span_tokens + 1) / 2;
   full.resize(npairs * C * V);
   single.resize(npairs * C * V);
   auto keep = [](const __m512bh (&pairs)[C], uint16_t* to) {
     for (int64_t c = 0; c < C; ++c) _mm512_storeu_si512(to + c * V, (__m512i)pairs[c]);
   };
-  const int64_t lowest = std::max<int64_t>(1, std::min(block_size, ctx0 - first));  // the fewest tokens a query uses
-  for (int64_t p = 0; p < npairs; ++p) {
+  const int64_t lowest = std::max<int64_t>(1, std::min(span_tokens, ctx0 - first));  // the fewest tokens a query uses
+  for (int64_t p = 0, b = 0, in_block = 0; p < npairs; ++p, in_block += 2) {
+    if (in_block >= block_size) ++b, in_block = 0;
     const int64_t t = 2 * p;
-    const c10::BFloat16* row = value + t * token_stride;
+    const c10::BFloat16* row = values[b] + in_block * token_stride;
     __m512bh pairs[C];
-    if (t + 1 < block_tokens) {
+    if (t + 1 < span_tokens) {
       pair_rows<D>(row, row + token_stride, pairs);
       keep(pairs, &full[p * C * V]);
     }
@@ -71,24 +108,68 @@ inline void weigh_block_bf16(const c10::BFloat16* value, int64_t token_stride, i
       keep(pairs, &single[p * C * V]);
     }
   }
-  for (int64_t i = 0; i < nq; ++i) {
-    const int64_t ctx = ctx0 + i;
-    if (ctx <= first) continue;
-    const int64_t count = std::min(block_size, ctx - first);
-    for (int64_t j = 0; j < group; ++j) {
-      const int64_t h = h0 + j;
-      const uint16_t* probs = probs16 + (i * num_heads + h) * p_stride + first;
-      float* a = acc + (i * num_heads + h) * D;
-      __m512 sum[C];
-      for (int64_t c = 0; c < C; ++c) sum[c] = _mm512_loadu_ps(a + 16 * c);
-      for (int64_t t = 0; t < count; t += 2) {
-        const bool alone = t + 1 == count;
-        const uint16_t* pairs = &(alone ? single : full)[t / 2 * C * V];
-        const __m512bh w = pair_weights(probs + t, alone);
-        for (int64_t c = 0; c < C; ++c)
-          sum[c] = _mm512_dpbf16_ps(sum[c], w, (__m512bh)_mm512_loadu_si512(pairs + c * V));
+  // rows (query i, head h0 + j) in query-major order, kRowsV at a time where they all take
+  // the same tokens of the span (16 independent chains of vdpbf16ps: one row's 4 would
+  // wait on the instruction's latency), one by one at the causal edge
+  constexpr int64_t kRowsV = 256 / D;  // rows weighed together: 16 accumulators
+  const int64_t rows = nq * group;
+  auto count_of = [&](int64_t r) { return std::clamp<int64_t>(ctx0 + query_of[r] - first, 0, span_tokens); };
+  int64_t r = 0;
+  while (r < rows) {
+    const int64_t count = count_of(r);
+    if (r + kRowsV <= rows && count_of(r + kRowsV - 1) == count && count > 0) {
+      weigh_rows<D, kRowsV>(count, full, single, probs16, p_stride, first, row_of + r, h0, acc);
+      r += kRowsV;
+      continue;
+    }
+    if (count > 0) weigh_rows<D, 1>(count, full, single, probs16, p_stride, first, row_of + r, h0, acc);
+    ++r;
+  }
+}
+#endif
+
+#if defined(__AVX512BF16__)
+constexpr int kRows = 16;  // query rows scored together against one group of keys in lanes
+
+// The scaled scores of a tile's `nq` queries (`q`: the first one's row of head 0) for every
+// head, keys in lanes (score_rows, as the decode kernel scores): row (i, h) of `scores` at
+// (i * num_heads + h) * ctx_max, query i attending to the first `ctx0 + i` tokens. Per kv
+// head, the tile's rows of its group (query-major) are copied to `qbuf`, padded with zero
+// rows to a multiple of kRows; each group of up to 16 keys of a block is put in lanes once
+// and scored against all of them, kRows at a time, skipping rows whose query does not
+// reach it.
+template <int64_t D>
+inline void score_tile_bf16(const c10::BFloat16* q, int64_t nq, int64_t num_heads, int64_t group,
+                            int64_t num_kv_heads, const c10::BFloat16* k_ptr, const int64_t* table, int64_t num_blocks,
+                            int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t ctx0,
+                            int64_t ctx_max, float scale, float* scores, std::vector<c10::BFloat16>& qbuf) {
+  constexpr int64_t P = D / 2;
+  const int64_t rows = nq * group, padded = (rows + kRows - 1) / kRows * kRows;
+  qbuf.assign(padded * D, c10::BFloat16(0.f));
+  alignas(64) __m512i kt[P];
+  for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+    for (int64_t i = 0; i < nq; ++i)
+      std::copy_n(q + (i * num_heads + kv_head * group) * D, group * D, qbuf.data() + i * group * D);
+    for (int64_t blk = 0; blk < num_blocks; ++blk) {
+      const int64_t first = blk * block_size, tokens = std::min(block_size, ctx_max - first);
+      const c10::BFloat16* block = k_ptr + table[blk] * block_stride + kv_head * D;
+      if (blk + 1 < num_blocks) prefetch_row(k_ptr + table[blk + 1] * block_stride + kv_head * D, block_stride);
+      for (int64_t i0 = 0; i0 < tokens; i0 += 16) {
+        const int64_t pos = first + i0, n = std::min<int64_t>(16, tokens - i0);
+        // the first query reaching these keys: ctx0 + i > pos
+        const int64_t from = std::max<int64_t>(0, pos + 1 - ctx0) * group / kRows * kRows;
+        keys_in_lanes<D>(block + i0 * token_stride, token_stride, n, kt);
+        for (int64_t r0 = from; r0 < rows; r0 += kRows) {
+          __m512 s[1][kRows];
+          score_rows<D, kRows, 1>(kt, qbuf.data() + r0 * D, D, scale, s);
+          const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+          int64_t i = r0 / group, j = r0 % group;  // row r0 + r is query i, head kv_head * group + j
+          for (int r = 0; r < kRows && r0 + r < rows; ++r) {
+            _mm512_mask_storeu_ps(scores + (i * num_heads + kv_head * group + j) * ctx_max + pos, mask, s[0][r]);
+            if (++j == group) j = 0, ++i;
+          }
+        }
       }
-      for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(a + 16 * c, sum[c]);
     }
   }
 }
@@ -109,22 +190,31 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
   using DotT = typename DotFor<T, D>::type;
 #if defined(__AVX512BF16__)
   constexpr bool kPairedValues = std::is_same_v<T, c10::BFloat16> && D % 32 == 0;
+  constexpr bool kKeysInLanes = std::is_same_v<T, c10::BFloat16>;
 #else
   constexpr bool kPairedValues = false;
 #endif
   const int64_t num_tiles = (n + tile_size - 1) / tile_size;
 
   at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc, inv_sums(1);
+    std::vector<float> scores, acc, inv_sums(1), norms;  // norms: 1/sum per row (bf16 paired path)
     std::vector<uint16_t> probs16;
     std::vector<float> rows(block_size * D);  // a block's V rows for one kv head, in fp32 (fp32 path)
     std::vector<uint16_t> full, single;  // a block's bf16 pairs (weigh_block_bf16)
+    std::vector<c10::BFloat16> qbuf;  // the tile's query rows of one kv head (score_tile_bf16)
+    std::vector<int64_t> query_of, row_of;  // weigh_block_bf16's rows
     for (int64_t k = begin; k < end; ++k) {
       const int64_t q0 = balanced_tile(k, num_tiles) * tile_size, nq = std::min(tile_size, n - q0);
       const int64_t ctx_max = start_pos + q0 + nq;  // the tile's last query's context
       const int64_t num_blocks = (ctx_max + block_size - 1) / block_size;
       auto ctx_of = [&](int64_t i) { return start_pos + q0 + i + 1; };
       scores.resize(nq * num_heads * ctx_max);  // row (i, h) at (i * H + h) * ctx_max
+#if defined(__AVX512BF16__)
+      if constexpr (kKeysInLanes) {
+        score_tile_bf16<D>(q_ptr + q0 * num_heads * D, nq, num_heads, group, num_kv_heads, k_ptr, table, num_blocks,
+                           block_size, block_stride, token_stride, ctx_of(0), ctx_max, fscale, scores.data(), qbuf);
+      } else
+#endif
       for (int64_t blk = 0; blk < num_blocks; ++blk) {  // scores
         const int64_t first = blk * block_size;
         const T* block = k_ptr + table[blk] * block_stride;
@@ -143,14 +233,16 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
         }
       }
       const int64_t p_stride = ctx_max + 1;  // bf16 probability rows, one spare entry each
-      if constexpr (kPairedValues) probs16.resize(nq * num_heads * p_stride);
+      if constexpr (kPairedValues) {
+        probs16.resize(nq * num_heads * p_stride);
+        norms.resize(nq * num_heads);
+      }
       for (int64_t i = 0; i < nq; ++i) {  // softmax, each row as the decode kernel takes it
         for (int64_t h = 0; h < num_heads; ++h) {
           float* row = scores.data() + (i * num_heads + h) * ctx_max;
 #if defined(__AVX512BF16__)
           if constexpr (kPairedValues) {
-            exp_rows(row, 1, ctx_of(i), inv_sums.data());
-            round_row_to_bf16(row, inv_sums[0], ctx_of(i), probs16.data() + (i * num_heads + h) * p_stride);
+            norms[i * num_heads + h] = exp_row_to_bf16(row, ctx_of(i), probs16.data() + (i * num_heads + h) * p_stride);
             continue;
           }
 #endif
@@ -158,15 +250,27 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
         }
       }
       acc.assign(nq * num_heads * D, 0.f);
-      for (int64_t blk = 0; blk < num_blocks; ++blk) {  // probabilities times V
+      query_of.resize(nq * group);  // a kv head's rows, query-major: row r = query i, head j of the group
+      row_of.resize(nq * group);
+      for (int64_t i = 0, r = 0; i < nq; ++i)
+        for (int64_t j = 0; j < group; ++j, ++r) query_of[r] = i, row_of[r] = i * num_heads + j;
+      // probabilities times V, a span of blocks at a time (bf16 pairs: up to kSpanTokens where
+      // block_size is even, so no pair crosses a block), else block by block
+      const int64_t span_blocks = kPairedValues && block_size % 2 == 0 ? std::max<int64_t>(1, kSpanTokens / block_size) : 1;
+      for (int64_t blk = 0; blk < num_blocks; blk += span_blocks) {
         const int64_t first = blk * block_size, block_tokens = std::min(block_size, ctx_max - first);
-        if (blk + 1 < num_blocks) prefetch_row(v_ptr + table[blk + 1] * block_stride, block_stride);
+        const int64_t nblocks = std::min(span_blocks, num_blocks - blk);
+        for (int64_t b = 1; b <= nblocks && blk + b < num_blocks; ++b)
+          prefetch_row(v_ptr + table[blk + b] * block_stride, block_stride);
         for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
           const T* value = v_ptr + table[blk] * block_stride + kv_head * D;
 #if defined(__AVX512BF16__)
           if constexpr (kPairedValues) {
-            weigh_block_bf16<D>(value, token_stride, block_size, block_tokens, first, ctx_of(0), nq, num_heads,
-                                kv_head * group, group, probs16.data(), p_stride, acc.data(), full, single);
+            const c10::BFloat16* values[kSpanTokens];
+            for (int64_t b = 0; b < nblocks; ++b) values[b] = v_ptr + table[blk + b] * block_stride + kv_head * D;
+            weigh_span_bf16<D>(values, token_stride, block_size, std::min(nblocks * block_size, ctx_max - first), first,
+                               ctx_of(0), nq, kv_head * group, group, probs16.data(), p_stride, acc.data(), full,
+                               single, query_of.data(), row_of.data());
             continue;
           }
 #endif
@@ -194,7 +298,13 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
       for (int64_t i = 0; i < nq * num_heads; ++i) {
         const float* a = acc.data() + i * D;
         T* o = out_ptr + (q0 * num_heads + i) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(a[d]);
+        if constexpr (kPairedValues) {  // as the decode kernel: the weighted sum times 1/sum
+          for (int64_t c = 0; c < C; ++c)
+            _mm512_storeu_ps(&rows[16 * c], _mm512_mul_ps(_mm512_loadu_ps(a + 16 * c), _mm512_set1_ps(norms[i])));
+          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(rows[d]);
+        } else {
+          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(a[d]);
+        }
       }
     }
   });
