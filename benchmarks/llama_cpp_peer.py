@@ -67,6 +67,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -103,8 +104,11 @@ def free_port() -> int:
 def post(url: str, body: dict, timeout: float = 900.0) -> dict:
     request = urllib.request.Request(url, data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        return json.loads(response.read())
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as error:  # llama-server says why in the body
+        raise RuntimeError(f"HTTP {error.code}: {error.read()[:500].decode(errors='replace')}") from None
 
 
 @contextmanager
@@ -214,10 +218,14 @@ def offline_mixed(args, requests: list[dict], log_dir: Path) -> dict:
 
 def ttft(args, log_dir: Path) -> dict:
     """llama.cpp time to first token: one request at a time, n_predict 1, the prompts
-    long_prompt_ttft.py gives pdserve (random.Random(r * 7919 + n))."""
+    long_prompt_ttft.py gives pdserve (random.Random(r * 7919 + n)). llama-server caps a
+    slot's context at the model's training context (8192 for SmolLM2), which leaves no
+    room for an 8192-token prompt plus its token: the GGUF's context_length is overridden
+    to the -c given (it only sets that cap here: the model uses plain RoPE, no scaling)."""
     ctx = max(args.ttft_lengths) + 256
     extra = ["-np", "1", "-c", str(ctx), "-b", "2048", "-ub", "512", "--threads", str(args.threads),
-             "--threads-batch", str(args.threads), "-cram", "0"]
+             "--threads-batch", str(args.threads), "-cram", "0",
+             "--override-kv", f"llama.context_length=int:{ctx}"]
     out = {}
     for name in args.dtypes:
         with llama_server(args.llama_server, args.gguf[name], extra, log_dir, f"ttft-{name}") as (url, command):
@@ -225,13 +233,18 @@ def ttft(args, log_dir: Path) -> dict:
             result: dict = {"command": command, "ttft_s": {}, "all_s": {}, "server_prompt_ms": {}}
             for n in args.ttft_lengths:
                 times, server = [], []
-                for r in range(args.ttft_repeats):
-                    prompt = [random.Random(r * 7919 + n).randrange(100, 40000) for _ in range(n)]
-                    start = time.perf_counter()
-                    reply = completion(url, prompt, 1)
-                    times.append(time.perf_counter() - start)
-                    assert reply["tokens_evaluated"] == n, reply["tokens_evaluated"]
-                    server.append(reply.get("timings", {}).get("prompt_ms"))
+                try:
+                    for r in range(args.ttft_repeats):
+                        prompt = [random.Random(r * 7919 + n).randrange(100, 40000) for _ in range(n)]
+                        start = time.perf_counter()
+                        reply = completion(url, prompt, 1)
+                        times.append(time.perf_counter() - start)
+                        assert reply["tokens_evaluated"] == n, reply["tokens_evaluated"]
+                        server.append(reply.get("timings", {}).get("prompt_ms"))
+                except Exception as error:  # noqa: BLE001 (recorded; the other lengths still run)
+                    result.setdefault("errors", {})[str(n)] = repr(error)
+                    print(f"[{name}] TTFT {n}: failed: {error!r}", flush=True)
+                    continue
                 result["ttft_s"][str(n)] = statistics.median(times)
                 result["all_s"][str(n)] = times
                 result["server_prompt_ms"][str(n)] = server
@@ -397,18 +410,22 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory(prefix="llama_cpp_peer-") as tmp:
         log_dir = Path(tmp)
-        try:
-            if "offline" not in args.skip:
-                result["offline_mixed"] = offline_mixed(args, requests, log_dir)
-            if "ttft" not in args.skip:
-                result["llama_cpp_ttft"] = ttft(args, log_dir)
-            if "batched" not in args.skip:
-                result["llama_cpp_batched_bench"] = batched_bench(args)
-            if "bench" not in args.skip:
-                result["llama_bench"] = llama_bench(args)
-        finally:
-            result["server_log_tails"] = {p.stem: p.read_text().splitlines()[-12:]
-                                          for p in sorted(log_dir.glob("*.log"))}
+        sections = {"offline": ("offline_mixed", lambda: offline_mixed(args, requests, log_dir)),
+                    "ttft": ("llama_cpp_ttft", lambda: ttft(args, log_dir)),
+                    "batched": ("llama_cpp_batched_bench", lambda: batched_bench(args)),
+                    "bench": ("llama_bench", lambda: llama_bench(args))}
+        for flag, (key, measure) in sections.items():
+            if flag in args.skip:
+                continue
+            try:  # a failed section is recorded, and the others still run
+                result[key] = measure()
+            except Exception:  # noqa: BLE001
+                result.setdefault("errors", {})[key] = traceback.format_exc()
+                print(result["errors"][key], flush=True)
+        # each server's setup and its warnings/errors (its per-request timings are in the replies)
+        keep = re.compile(r" [WE] |n_ctx|n_slots|flash|threadpool|system_info")
+        result["server_logs"] = {p.stem: [line for line in p.read_text().splitlines() if keep.search(line)][:40]
+                                 for p in sorted(log_dir.glob("*.log"))}
     result["load_average_end"] = os.getloadavg()
     ready = {"offline_mixed", "llama_cpp_ttft", "llama_cpp_batched_bench"} <= set(result)
     write(result, args.out, plot if ready else None)

@@ -1,14 +1,37 @@
 """This machine's ceilings, measured: memory bandwidth and matmul peak per dtype, and what
-one decode step or one prefill token must move and compute for a given model.
+one decode step or one prefill token must move and compute for a given model; run as a
+script, the attainable floor of each step shape and the fraction of it the engine reaches.
 
 A decode step reads every weight once and every cached K/V it attends to; its memory
 roofline is those bytes over the bandwidth. Its compute floor is its matmul FLOPs over the
 dtype's matmul peak. A step can be no faster than the larger of the two.
+
+The attainable floor of a step (`step_floor`), part by part: the linear layers (with the LM
+head) at the larger of their products at the matmul peak and their weight reads at the
+bandwidth (the reads stream under the products); attention at the larger of its products
+(QK^T and PV) at the same peak and its KV reads at the bandwidth. The two parts run one after
+the other (a layer's attention needs its q; its output feeds the next product), so the floor
+is their sum. Elementwise work (norms, RoPE, SwiGLU, the KV writes) is counted as time
+spent, with no floor of its own.
+
+    .venv/bin/python benchmarks/roofline.py [--dtypes bfloat16,float32] [--prefill 512,2048,8192]
+        [--decode-batches 1,16,64] [--context 300]
+
+runs each step shape on the offline engine (the embedded SmolLM2-135M, prefix caching off,
+chunks of `--chunk` tokens), times where its model time goes, and writes
+benchmarks/results/roofline.json (+ .png): per shape and dtype the floor of each part, the
+measured time of each, and the fractions; the CPU's flags say which kernels ran (AVX-512,
+avx512_bf16, or the AVX2 build).
 """
 
 from __future__ import annotations
 
+import argparse
+import os
+import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -93,3 +116,186 @@ def decode_step_bounds(model, batch: int, mean_context: float, bandwidth: float,
 
 def prefill_flops_per_token(model, mean_context: float) -> float:
     return 2.0 * matmul_params(model, with_lm_head=False) + attention_flops(model, 1, mean_context)
+
+
+def step_floor(model, *, products_flops: float, attention_flops: float, weight_reads: float, kv_reads: float,
+               bandwidth: float, peak: float) -> dict:
+    """The attainable floor (ms) of a step and of its two parts (see the module docstring)."""
+    linear = max(products_flops / peak, weight_reads / bandwidth)
+    attention = max(attention_flops / peak, kv_reads / bandwidth)
+    return {"linear_ms": 1000 * linear, "attention_ms": 1000 * attention, "step_ms": 1000 * (linear + attention),
+            "linear_bound_by": "compute" if products_flops / peak >= weight_reads / bandwidth else "memory",
+            "attention_bound_by": "compute" if attention_flops / peak >= kv_reads / bandwidth else "memory"}
+
+
+def prefill_floor(model, length: int, chunk: int, bandwidth: float, peak: float) -> dict:
+    """One prompt of `length` tokens in chunks of `chunk`: every token through the linear
+    layers (the LM head for the last one), each attending to its causal prefix; every chunk
+    reads the weights once and, at the least, the K/V of the prefix once."""
+    chunks = [min(chunk, length - start) for start in range(0, length, chunk)]
+    prefix_tokens = sum(start + n for start, n in zip(range(0, length, chunk), chunks, strict=True))
+    return step_floor(model, products_flops=2.0 * (matmul_params(model, False) * length + model.lm_head.numel()),
+                      attention_flops=attention_flops(model, length, (length + 1) / 2),
+                      weight_reads=weight_bytes(model) * len(chunks),
+                      kv_reads=prefix_tokens * kv_bytes_per_token(model), bandwidth=bandwidth, peak=peak)
+
+
+def decode_floor(model, batch: int, context: float, bandwidth: float, peak: float) -> dict:
+    return step_floor(model, products_flops=2.0 * matmul_params(model, True) * batch,
+                      attention_flops=attention_flops(model, batch, context), weight_reads=weight_bytes(model),
+                      kv_reads=batch * context * kv_bytes_per_token(model), bandwidth=bandwidth, peak=peak)
+
+
+class PartTimer:
+    """Wall time spent in the model's attention, its linear layers (the LM head's included)
+    and its whole forward, while installed (a context manager)."""
+
+    def __init__(self, model) -> None:
+        import pdserve.engine.model.llama as llama
+
+        self.llama, self.model = llama, model
+        self.spent = {"attention": 0.0, "linear": 0.0, "forward": 0.0, "lm_head": 0.0}
+
+    def _timed(self, name, fn):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.spent[name] += time.perf_counter() - start
+        return run
+
+    def __enter__(self):
+        llama, model = self.llama, self.model
+        self.saved = (llama.paged_attention, llama.linear, model.forward)
+        llama.paged_attention = self._timed("attention", llama.paged_attention)
+        llama.linear = self._timed("linear", llama.linear)
+        model.forward = self._timed("forward", model.forward)
+        model.compute_logits = self._timed("lm_head", model.compute_logits)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.llama.paged_attention, self.llama.linear, self.model.forward = self.saved
+        del self.model.compute_logits  # the instance attribute shadowed the method
+
+    def parts_ms(self, steps: int = 1) -> dict:
+        s = {k: 1000 * v / steps for k, v in self.spent.items()}
+        return {"attention_ms": s["attention"], "linear_ms": s["linear"] + s["lm_head"],
+                "other_ms": s["forward"] - s["attention"] - s["linear"], "model_ms": s["forward"] + s["lm_head"]}
+
+
+def fractions(floor: dict, measured: dict) -> dict:
+    return {"step": floor["step_ms"] / measured["model_ms"], "linear": floor["linear_ms"] / measured["linear_ms"],
+            "attention": floor["attention_ms"] / measured["attention_ms"]}
+
+
+def measure_prefill(llm, length: int, repeats: int) -> dict:
+    """The model's parts over one prompt's prefill (its time to first token, less the
+    scheduler's and sampler's share), the repeat with the median model time."""
+    from pdserve.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    runs = []
+    for r in range(repeats):
+        prompt = torch.randint(3, 40000, (length,), generator=torch.Generator().manual_seed(r)).tolist()
+        with PartTimer(llm.engine.loaded.model) as timer:
+            start = time.perf_counter()
+            llm.generate([prompt], params)
+            wall = time.perf_counter() - start
+        runs.append({**timer.parts_ms(), "ttft_ms": 1000 * wall})
+    return sorted(runs, key=lambda run: run["model_ms"])[len(runs) // 2]
+
+
+def measure_decode(llm, batch: int, context: int, steps: int) -> dict:
+    """The model's parts per decode step once `batch` requests of `context` prompt tokens
+    all decode (means over `steps` steps)."""
+    from pdserve.engine import SamplingParams
+
+    engine = llm.engine
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"floor-{i}", torch.randint(3, 40000, (context,), generator=gen).tolist(), params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
+        engine.step()
+    engine.step()  # every request decoding from here on
+    step_times = []
+    try:
+        with PartTimer(engine.loaded.model) as timer:
+            for _ in range(steps):
+                start = time.perf_counter()
+                engine.step()
+                step_times.append(1000 * (time.perf_counter() - start))
+    finally:
+        for i in range(batch):
+            engine.abort_request(f"floor-{i}")
+    return {**timer.parts_ms(steps), "engine_step_ms_median": statistics.median(step_times)}
+
+
+def cpu_flags() -> list[str]:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return []
+    return sorted({f for f in flags.split(":", 1)[1].split() if f.startswith(("avx", "amx", "fma"))})
+
+
+def main() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from benchmarks.report import panels, write
+    from pdserve.engine import LLM
+
+    parser = argparse.ArgumentParser(description="attainable floor per step shape, and the fraction reached")
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--prefill", default="512,2048,8192", help="prompt lengths")
+    parser.add_argument("--decode-batches", default="1,16,64")
+    parser.add_argument("--context", type=int, default=300, help="prompt tokens of each decoding request")
+    parser.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens")
+    parser.add_argument("--steps", type=int, default=16, help="decode steps timed per batch")
+    parser.add_argument("--repeats", type=int, default=3, help="prefills timed per length")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "roofline.json")
+    args = parser.parse_args()
+    lengths = [int(n) for n in args.prefill.split(",")]
+    batches = [int(b) for b in args.decode_batches.split(",")]
+    bandwidth = memory_bandwidth()["bandwidth_gb_s"] * 1e9
+    result: dict = {"setup": {"cores": os.cpu_count(), "threads": torch.get_num_threads(), "cpu_flags": cpu_flags(),
+                              "load_average": os.getloadavg(), "chunk": args.chunk, "context": args.context,
+                              "bandwidth_gb_s": bandwidth / 1e9, "matmul_peak_gflop_s": {}},
+                    "shapes": {}}
+    for name in args.dtypes.split(","):
+        dtype = getattr(torch, name)
+        peak = matmul_peak(dtype)
+        result["setup"]["matmul_peak_gflop_s"][name] = peak / 1e9
+        llm = LLM(dtype=name, max_model_len=max(lengths) + 16, max_num_batched_tokens=args.chunk,
+                  max_num_seqs=max(batches), enable_prefix_caching=False)
+        model = llm.engine.loaded.model
+        measure_prefill(llm, 64, 1)  # warm-up
+        def record(shape: str, floor: dict, measured: dict, name: str = name) -> None:
+            reached = fractions(floor, measured)
+            result["shapes"][f"{name}/{shape}"] = {"floor": floor, "measured": measured, "fraction_of_floor": reached}
+            print(name, shape, {k: round(v, 2) for k, v in reached.items()}, flush=True)
+
+        for length in lengths:
+            record(f"prefill {length}", prefill_floor(model, length, args.chunk, bandwidth, peak),
+                   measure_prefill(llm, length, args.repeats))
+        for batch in batches:
+            record(f"decode {batch}", decode_floor(model, batch, args.context + args.steps / 2, bandwidth, peak),
+                   measure_decode(llm, batch, args.context, args.steps))
+        del llm
+
+    def plot(res: dict, path: Path) -> None:
+        with panels(path, 1, width=10) as (ax,):
+            shapes = list(res["shapes"])
+            for i, part in enumerate(("step", "linear", "attention")):
+                ax.bar([j + i * 0.27 for j in range(len(shapes))],
+                       [res["shapes"][s]["fraction_of_floor"][part] for s in shapes], width=0.27, label=part)
+            ax.axhline(0.7, color="grey", linestyle="--", linewidth=0.8)
+            ax.set_xticks(range(len(shapes)), shapes, rotation=35, fontsize=7)
+            ax.set_ylabel("fraction of the attainable floor")
+            ax.legend()
+
+    write(result, args.out, plot)
+
+
+if __name__ == "__main__":
+    main()

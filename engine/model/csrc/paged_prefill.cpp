@@ -31,6 +31,14 @@ using namespace pdserve_attention;
 
 constexpr int64_t kSpanTokens = 64;  // bf16: V tokens weighed per load and store of the accumulators
 
+// A thread's working memory for its tiles, reused from tile to tile.
+struct TileBuffers {
+  std::vector<float> scores, acc, norms;
+  std::vector<uint16_t> probs16, full, single;  // bf16 probabilities; a span's V pairs
+  std::vector<c10::BFloat16> qbuf;  // the tile's query rows of one kv head
+  std::vector<int64_t> query_of, row_of;  // a kv head's rows: query, and row in the buffers
+};
+
 // The k-th tile to run of `num_tiles`, in the balanced order: 0, n-1, 1, n-2, ...
 inline int64_t balanced_tile(int64_t k, int64_t num_tiles) { return k % 2 == 0 ? k / 2 : num_tiles - 1 - k / 2; }
 
@@ -131,45 +139,93 @@ inline void weigh_span_bf16(const c10::BFloat16* const* values, int64_t token_st
 #if defined(__AVX512BF16__)
 constexpr int kRows = 16;  // query rows scored together against one group of keys in lanes
 
-// The scaled scores of a tile's `nq` queries (`q`: the first one's row of head 0) for every
-// head, keys in lanes (score_rows, as the decode kernel scores): row (i, h) of `scores` at
-// (i * num_heads + h) * ctx_max, query i attending to the first `ctx0 + i` tokens. Per kv
-// head, the tile's rows of its group (query-major) are copied to `qbuf`, padded with zero
-// rows to a multiple of kRows; each group of up to 16 keys of a block is put in lanes once
-// and scored against all of them, kRows at a time, skipping rows whose query does not
-// reach it.
+// The scaled scores of a tile's `nq` queries (`q`: the first one's row of head 0) for the
+// heads of kv head `kv_head`, keys in lanes (score_rows, as the decode kernel scores): query
+// i's head kv_head * group + j is row (i * row_stride + row_offset + j) of `scores`, rows
+// `ctx_max` apart, query i attending to the first `ctx0 + i` tokens. The tile's rows of the
+// group (query-major) are copied to `qbuf`, padded with zero rows to a multiple of kRows;
+// each group of up to 16 keys of a block is put in lanes once and scored against all of
+// them, kRows at a time, skipping rows whose query does not reach it.
 template <int64_t D>
-inline void score_tile_bf16(const c10::BFloat16* q, int64_t nq, int64_t num_heads, int64_t group,
-                            int64_t num_kv_heads, const c10::BFloat16* k_ptr, const int64_t* table, int64_t num_blocks,
-                            int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t ctx0,
-                            int64_t ctx_max, float scale, float* scores, std::vector<c10::BFloat16>& qbuf) {
+inline void score_kv_head_bf16(const c10::BFloat16* q, int64_t nq, int64_t num_heads, int64_t group,
+                               int64_t kv_head, const c10::BFloat16* k_ptr, const int64_t* table, int64_t num_blocks,
+                               int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t ctx0,
+                               int64_t ctx_max, float scale, float* scores, int64_t row_stride, int64_t row_offset,
+                               std::vector<c10::BFloat16>& qbuf) {
   constexpr int64_t P = D / 2;
   const int64_t rows = nq * group, padded = (rows + kRows - 1) / kRows * kRows;
   qbuf.assign(padded * D, c10::BFloat16(0.f));
   alignas(64) __m512i kt[P];
-  for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
-    for (int64_t i = 0; i < nq; ++i)
-      std::copy_n(q + (i * num_heads + kv_head * group) * D, group * D, qbuf.data() + i * group * D);
-    for (int64_t blk = 0; blk < num_blocks; ++blk) {
-      const int64_t first = blk * block_size, tokens = std::min(block_size, ctx_max - first);
-      const c10::BFloat16* block = k_ptr + table[blk] * block_stride + kv_head * D;
-      if (blk + 1 < num_blocks) prefetch_row(k_ptr + table[blk + 1] * block_stride + kv_head * D, block_stride);
-      for (int64_t i0 = 0; i0 < tokens; i0 += 16) {
-        const int64_t pos = first + i0, n = std::min<int64_t>(16, tokens - i0);
-        // the first query reaching these keys: ctx0 + i > pos
-        const int64_t from = std::max<int64_t>(0, pos + 1 - ctx0) * group / kRows * kRows;
-        keys_in_lanes<D>(block + i0 * token_stride, token_stride, n, kt);
-        for (int64_t r0 = from; r0 < rows; r0 += kRows) {
-          __m512 s[1][kRows];
-          score_rows<D, kRows, 1>(kt, qbuf.data() + r0 * D, D, scale, s);
-          const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
-          int64_t i = r0 / group, j = r0 % group;  // row r0 + r is query i, head kv_head * group + j
-          for (int r = 0; r < kRows && r0 + r < rows; ++r) {
-            _mm512_mask_storeu_ps(scores + (i * num_heads + kv_head * group + j) * ctx_max + pos, mask, s[0][r]);
-            if (++j == group) j = 0, ++i;
-          }
+  for (int64_t i = 0; i < nq; ++i)
+    std::copy_n(q + (i * num_heads + kv_head * group) * D, group * D, qbuf.data() + i * group * D);
+  for (int64_t blk = 0; blk < num_blocks; ++blk) {
+    const int64_t first = blk * block_size, tokens = std::min(block_size, ctx_max - first);
+    const c10::BFloat16* block = k_ptr + table[blk] * block_stride + kv_head * D;
+    if (blk + 1 < num_blocks) prefetch_row(k_ptr + table[blk + 1] * block_stride + kv_head * D, block_stride);
+    for (int64_t i0 = 0; i0 < tokens; i0 += 16) {
+      const int64_t pos = first + i0, n = std::min<int64_t>(16, tokens - i0);
+      // the first query reaching these keys: ctx0 + i > pos
+      const int64_t from = std::max<int64_t>(0, pos + 1 - ctx0) * group / kRows * kRows;
+      keys_in_lanes<D>(block + i0 * token_stride, token_stride, n, kt);
+      for (int64_t r0 = from; r0 < rows; r0 += kRows) {
+        __m512 s[1][kRows];
+        score_rows<D, kRows, 1>(kt, qbuf.data() + r0 * D, D, scale, s);
+        const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+        int64_t i = r0 / group, j = r0 % group;  // row r0 + r is query i, head j of the group
+        for (int r = 0; r < kRows && r0 + r < rows; ++r) {
+          _mm512_mask_storeu_ps(scores + (i * row_stride + row_offset + j) * ctx_max + pos, mask, s[0][r]);
+          if (++j == group) j = 0, ++i;
         }
       }
+    }
+  }
+}
+
+// A tile of `nq` queries (`q0` the first, at position start_pos + q0) attended in bf16 with
+// avx512_bf16 (D a multiple of 32), one kv head at a time so that the tile's scores (rows of
+// its group only: nq * group, query-major) stay in the L2 cache between the passes: scores
+// (score_kv_head_bf16), bf16 exps (exp_row_to_bf16), V weighed by spans (weigh_span_bf16),
+// the weighted sums times 1/sum into `out`. The arithmetic per token is the decode kernel's.
+template <int64_t D>
+inline void prefill_tile_bf16(const c10::BFloat16* q_ptr, const c10::BFloat16* k_ptr, const c10::BFloat16* v_ptr,
+                              const int64_t* table, c10::BFloat16* out_ptr, int64_t q0, int64_t nq, int64_t start_pos,
+                              int64_t num_heads, int64_t num_kv_heads, int64_t block_size, float scale,
+                              TileBuffers& buf) {
+  const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * D;
+  const int64_t block_stride = block_size * token_stride, rows = nq * group;
+  const int64_t ctx0 = start_pos + q0 + 1, ctx_max = start_pos + q0 + nq, p_stride = ctx_max + 1;
+  const int64_t num_blocks = (ctx_max + block_size - 1) / block_size;
+  const int64_t span_blocks = block_size % 2 == 0 ? std::max<int64_t>(1, kSpanTokens / block_size) : 1;
+  buf.scores.resize(rows * ctx_max);
+  buf.probs16.resize(rows * p_stride);
+  buf.norms.resize(rows);
+  buf.query_of.resize(rows);
+  buf.row_of.resize(rows);
+  for (int64_t r = 0; r < rows; ++r) buf.query_of[r] = r / group, buf.row_of[r] = r;
+  for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+    score_kv_head_bf16<D>(q_ptr + q0 * num_heads * D, nq, num_heads, group, kv_head, k_ptr, table, num_blocks,
+                          block_size, block_stride, token_stride, ctx0, ctx_max, scale, buf.scores.data(), group, 0,
+                          buf.qbuf);
+    for (int64_t r = 0; r < rows; ++r)
+      buf.norms[r] = exp_row_to_bf16(buf.scores.data() + r * ctx_max, ctx0 + buf.query_of[r],
+                                     buf.probs16.data() + r * p_stride);
+    buf.acc.assign(rows * D, 0.f);
+    for (int64_t blk = 0; blk < num_blocks; blk += span_blocks) {
+      const int64_t first = blk * block_size, nblocks = std::min(span_blocks, num_blocks - blk);
+      const c10::BFloat16* values[kSpanTokens];
+      for (int64_t b = 0; b < nblocks; ++b) values[b] = v_ptr + table[blk + b] * block_stride + kv_head * D;
+      if (blk + nblocks < num_blocks) prefetch_row(v_ptr + table[blk + nblocks] * block_stride + kv_head * D, block_stride);
+      weigh_span_bf16<D>(values, token_stride, block_size, std::min(nblocks * block_size, ctx_max - first), first, ctx0,
+                         nq, 0, group, buf.probs16.data(), p_stride, buf.acc.data(), buf.full, buf.single,
+                         buf.query_of.data(), buf.row_of.data());
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t i = buf.query_of[r], h = kv_head * group + r - i * group;
+      c10::BFloat16* o = out_ptr + ((q0 + i) * num_heads + h) * D;
+      alignas(64) float row[D];  // as the decode kernel: the weighted sum times 1/sum, then converted
+      for (int64_t c = 0; c < D; c += 16)
+        _mm512_store_ps(row + c, _mm512_mul_ps(_mm512_loadu_ps(buf.acc.data() + r * D + c), _mm512_set1_ps(buf.norms[r])));
+      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<c10::BFloat16>(row[d]);
     }
   }
 }
@@ -197,22 +253,29 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
   const int64_t num_tiles = (n + tile_size - 1) / tile_size;
 
   at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc, inv_sums(1), norms;  // norms: 1/sum per row (bf16 paired path)
-    std::vector<uint16_t> probs16;
-    std::vector<float> rows(block_size * D);  // a block's V rows for one kv head, in fp32 (fp32 path)
-    std::vector<uint16_t> full, single;  // a block's bf16 pairs (weigh_block_bf16)
-    std::vector<c10::BFloat16> qbuf;  // the tile's query rows of one kv head (score_tile_bf16)
-    std::vector<int64_t> query_of, row_of;  // weigh_block_bf16's rows
+    TileBuffers buf;
+    std::vector<float> inv_sums(1), rows(block_size * D);  // rows: a block's V rows of one kv head in fp32
     for (int64_t k = begin; k < end; ++k) {
       const int64_t q0 = balanced_tile(k, num_tiles) * tile_size, nq = std::min(tile_size, n - q0);
+#if defined(__AVX512BF16__)
+      if constexpr (kPairedValues) {
+        prefill_tile_bf16<D>(q_ptr, k_ptr, v_ptr, table, out_ptr, q0, nq, start_pos, num_heads, num_kv_heads,
+                             block_size, fscale, buf);
+        continue;
+      }
+#endif
       const int64_t ctx_max = start_pos + q0 + nq;  // the tile's last query's context
       const int64_t num_blocks = (ctx_max + block_size - 1) / block_size;
       auto ctx_of = [&](int64_t i) { return start_pos + q0 + i + 1; };
+      std::vector<float>& scores = buf.scores;
+      std::vector<float>& acc = buf.acc;
       scores.resize(nq * num_heads * ctx_max);  // row (i, h) at (i * H + h) * ctx_max
 #if defined(__AVX512BF16__)
       if constexpr (kKeysInLanes) {
-        score_tile_bf16<D>(q_ptr + q0 * num_heads * D, nq, num_heads, group, num_kv_heads, k_ptr, table, num_blocks,
-                           block_size, block_stride, token_stride, ctx_of(0), ctx_max, fscale, scores.data(), qbuf);
+        for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head)
+          score_kv_head_bf16<D>(q_ptr + q0 * num_heads * D, nq, num_heads, group, kv_head, k_ptr, table, num_blocks,
+                                block_size, block_stride, token_stride, ctx_of(0), ctx_max, fscale, scores.data(),
+                                num_heads, kv_head * group, buf.qbuf);
       } else
 #endif
       for (int64_t blk = 0; blk < num_blocks; ++blk) {  // scores
@@ -232,48 +295,15 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
           }
         }
       }
-      const int64_t p_stride = ctx_max + 1;  // bf16 probability rows, one spare entry each
-      if constexpr (kPairedValues) {
-        probs16.resize(nq * num_heads * p_stride);
-        norms.resize(nq * num_heads);
-      }
-      for (int64_t i = 0; i < nq; ++i) {  // softmax, each row as the decode kernel takes it
-        for (int64_t h = 0; h < num_heads; ++h) {
-          float* row = scores.data() + (i * num_heads + h) * ctx_max;
-#if defined(__AVX512BF16__)
-          if constexpr (kPairedValues) {
-            norms[i * num_heads + h] = exp_row_to_bf16(row, ctx_of(i), probs16.data() + (i * num_heads + h) * p_stride);
-            continue;
-          }
-#endif
-          softmax_rows(row, 1, ctx_of(i), inv_sums);
-        }
-      }
+      for (int64_t i = 0; i < nq; ++i)  // softmax, each row as the decode kernel takes it
+        for (int64_t h = 0; h < num_heads; ++h)
+          softmax_rows(scores.data() + (i * num_heads + h) * ctx_max, 1, ctx_of(i), inv_sums);
       acc.assign(nq * num_heads * D, 0.f);
-      query_of.resize(nq * group);  // a kv head's rows, query-major: row r = query i, head j of the group
-      row_of.resize(nq * group);
-      for (int64_t i = 0, r = 0; i < nq; ++i)
-        for (int64_t j = 0; j < group; ++j, ++r) query_of[r] = i, row_of[r] = i * num_heads + j;
-      // probabilities times V, a span of blocks at a time (bf16 pairs: up to kSpanTokens where
-      // block_size is even, so no pair crosses a block), else block by block
-      const int64_t span_blocks = kPairedValues && block_size % 2 == 0 ? std::max<int64_t>(1, kSpanTokens / block_size) : 1;
-      for (int64_t blk = 0; blk < num_blocks; blk += span_blocks) {
+      for (int64_t blk = 0; blk < num_blocks; ++blk) {  // probabilities times V
         const int64_t first = blk * block_size, block_tokens = std::min(block_size, ctx_max - first);
-        const int64_t nblocks = std::min(span_blocks, num_blocks - blk);
-        for (int64_t b = 1; b <= nblocks && blk + b < num_blocks; ++b)
-          prefetch_row(v_ptr + table[blk + b] * block_stride, block_stride);
+        if (blk + 1 < num_blocks) prefetch_row(v_ptr + table[blk + 1] * block_stride, block_stride);
         for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
           const T* value = v_ptr + table[blk] * block_stride + kv_head * D;
-#if defined(__AVX512BF16__)
-          if constexpr (kPairedValues) {
-            const c10::BFloat16* values[kSpanTokens];
-            for (int64_t b = 0; b < nblocks; ++b) values[b] = v_ptr + table[blk + b] * block_stride + kv_head * D;
-            weigh_span_bf16<D>(values, token_stride, block_size, std::min(nblocks * block_size, ctx_max - first), first,
-                               ctx_of(0), nq, kv_head * group, group, probs16.data(), p_stride, acc.data(), full,
-                               single, query_of.data(), row_of.data());
-            continue;
-          }
-#endif
           for (int64_t t = 0; t < block_tokens; ++t)
             for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(&rows[t * D + 16 * c], load16(value + t * token_stride + 16 * c));
           for (int64_t i = 0; i < nq; ++i) {
@@ -298,13 +328,7 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
       for (int64_t i = 0; i < nq * num_heads; ++i) {
         const float* a = acc.data() + i * D;
         T* o = out_ptr + (q0 * num_heads + i) * D;
-        if constexpr (kPairedValues) {  // as the decode kernel: the weighted sum times 1/sum
-          for (int64_t c = 0; c < C; ++c)
-            _mm512_storeu_ps(&rows[16 * c], _mm512_mul_ps(_mm512_loadu_ps(a + 16 * c), _mm512_set1_ps(norms[i])));
-          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(rows[d]);
-        } else {
-          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(a[d]);
-        }
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(a[d]);
       }
     }
   });
