@@ -318,6 +318,15 @@ def build_info(binary: Path) -> dict:
     return info
 
 
+def pdserve_revision() -> dict:
+    """The commit pdserve runs from, and what differs from it in the working tree."""
+    def git(*argv: str) -> str:
+        done = subprocess.run(["git", "-C", str(ROOT), *argv], capture_output=True, text=True, timeout=60)
+        return done.stdout.strip()
+    return {"commit": git("rev-parse", "HEAD"),
+            "changed": git("status", "--porcelain", "--untracked-files=no").splitlines()}
+
+
 def cpu_info() -> dict:
     text = Path("/proc/cpuinfo").read_text()
     flags = set(re.search(r"^flags\s*:\s*(.*)$", text, re.M).group(1).split())
@@ -396,7 +405,7 @@ def main() -> None:
         "llama_cpp": {**build_info(args.llama_server), "build_wall_s": args.build_wall_s},
         "cpu": cpu_info(), "native_bf16": native_bf16_flags(),
         "gguf": {n: {"path": str(args.gguf[n]), "bytes": args.gguf[n].stat().st_size} for n in args.dtypes},
-        "load_average_start": os.getloadavg(),
+        "pdserve_revision_start": pdserve_revision(), "load_average_start": os.getloadavg(),
         "notes": [
             "GGUFs converted with the vendored convert_hf_to_gguf.py from the safetensors pdserve loads "
             "(float32, themselves dequantized from the packaged Q4_1 GGUF), so both systems run the same "
@@ -404,6 +413,8 @@ def main() -> None:
             "llama.cpp offline: a fresh llama-server per run, 4 short warm-up requests, then all requests "
             "from --clients threads; flash attention left at its default (auto), prompt cache off (-cram 0, "
             "cache_prompt false); pdserve: LLM(dtype, enable_prefix_caching=False), run_pdserve.",
+            "llama.cpp keeps its KV cache in f16 for both GGUFs (its default, type_k/type_v in llama_bench "
+            "rows); pdserve keeps it in the model dtype, so the f32 pair gives llama.cpp the lighter cache.",
             "GGML_NATIVE=ON builds ggml-cpu with -march=native (see `march`): the GGML_AVX* options only "
             "apply when it is OFF.",
         ],
@@ -427,6 +438,7 @@ def main() -> None:
         result["server_logs"] = {p.stem: [line for line in p.read_text().splitlines() if keep.search(line)][:40]
                                  for p in sorted(log_dir.glob("*.log"))}
     result["load_average_end"] = os.getloadavg()
+    result["pdserve_revision_end"] = pdserve_revision()
     ready = {"offline_mixed", "llama_cpp_ttft", "llama_cpp_batched_bench"} <= set(result)
     write(result, args.out, plot if ready else None)
 
