@@ -31,7 +31,7 @@ from pdserve.engine.model.kernels import cpu_kernels
 
 _ONE_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 _TILED_HEAD_DIMS = (16, 32, 64, 128)
-PREFILL_TILE = 16  # queries per tile of the prefill kernel (chosen with benchmarks/prefill_attention.py)
+PREFILL_TILE = 32  # queries per tile of the prefill kernel (chosen with benchmarks/prefill_attention.py)
 
 
 @dataclass

@@ -219,6 +219,8 @@ inline void score_group_bf16(const c10::BFloat16* q, int64_t group, const c10::B
 }
 #endif
 
+constexpr int64_t kFetchBlocks = 32;  // a sequence's blocks fetched ahead into L2 (bf16 path)
+
 template <typename T, int64_t D>
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_tables, const at::Tensor& ctx_lens, double scale,
@@ -252,10 +254,18 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
       scores.resize(num_heads * ctx);
 #if defined(__AVX512BF16__)
       if constexpr (kKeysInLanes) {  // q.k for every (head, token), scaled: keys in lanes
-        for (int64_t blk = 0; blk < std::min<int64_t>(num_blocks, 32); ++blk) {  // scattered blocks: fetch ahead
-          prefetch_l2(k_ptr + table[blk] * block_stride, block_stride);
-          prefetch_l2(v_ptr + table[blk] * block_stride, block_stride);
-        }
+        // scattered blocks: the next sequence's K and V are fetched into L2 while this one is
+        // computed (the first sequence of the range fetches its own)
+        auto fetch = [&](int64_t seq) {
+          const int64_t* seq_table = bt_ptr + seq * max_blocks;
+          const int64_t blocks = std::min<int64_t>((len_ptr[seq] + block_size - 1) / block_size, kFetchBlocks);
+          for (int64_t blk = 0; blk < blocks; ++blk) {
+            prefetch_l2(k_ptr + seq_table[blk] * block_stride, block_stride);
+            prefetch_l2(v_ptr + seq_table[blk] * block_stride, block_stride);
+          }
+        };
+        if (b == begin) fetch(b);
+        if (b + 1 < end) fetch(b + 1);
         for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head)
           score_group_bf16<D>(q_ptr + (b * num_heads + kv_head * group) * D, group, k_ptr + kv_head * D, table,
                               num_blocks, block_size, block_stride, token_stride, ctx, fscale,
