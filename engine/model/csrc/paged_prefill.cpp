@@ -4,20 +4,24 @@
 //
 // Token identity. Every query's output is computed by exactly the arithmetic the decode
 // kernel (paged_attention.cpp, AVX-512 path) applies to a sequence of that context length:
-// the same scores (score16), the same two-pass softmax over the row, the same accumulation
-// of probabilities times V token by token in position order (in bf16: the same pairs of
-// tokens per vdpbf16ps, a block's odd last token against a zero row). So a token's output is
-// the same bits whether it is prefilled in any chunking or decoded, alone or batched.
+// the same scores (bf16: score_rows, keys in lanes; else score16), the same two-pass softmax
+// over the row (bf16: exp_row_to_bf16, the weighted sum scaled by 1/sum at the end), the
+// same accumulation of probabilities times V token by token in position order (in bf16:
+// the same pairs of tokens per vdpbf16ps, a block's odd last token against a zero row). So a
+// token's output is the same bits whether it is prefilled in any chunking or decoded, alone
+// or batched.
 //
 // What changes is the order of the loops around that arithmetic: queries are taken in tiles
 // of consecutive tokens, and each tile walks the sequence's K and V blocks once, every block
 // scored (or weighed) for all the tile's queries while it is in L1, where the decode kernel
-// reads the whole prefix again for every query. V rows (fp32 path) or their bf16 pairs are
-// prepared once per block and kv head for the tile. A query's accumulators live in memory
-// between blocks (fp32 values, so loading and storing them changes nothing). Tiles are
-// handed to threads in a balanced order (first, last, second, second-to-last, ...): later
-// tiles attend to longer prefixes, and contiguous ranges of tiles would give the last
-// thread most of the work.
+// reads the whole prefix again for every query. In bf16 (prefill_tile_bf16) a tile is taken
+// one kv head at a time, so its scores between passes are that head group's rows only; each
+// group of 16 keys is transposed once for all of them, and V is weighed in spans of up to 64
+// tokens, several rows at once. A query's accumulators live in memory between blocks or
+// spans (fp32 values, so loading and storing them changes nothing). Tiles are handed to
+// threads in a balanced order (first, last, second, second-to-last, ...): later tiles attend
+// to longer prefixes, and contiguous ranges of tiles would give the last thread most of the
+// work.
 #include "attention_common.h"
 
 #include <ATen/ops/arange.h>
