@@ -88,16 +88,10 @@ def decode_step_pdserve(llm, batch: int, context: int, steps: int) -> dict:
     linear layers, the LM head, and the rest (embedding, the fused norms, RoPE and SwiGLU),
     each a mean over the steps."""
     import pdserve.engine.model.llama as llama
-    from pdserve.engine import SamplingParams
+    from benchmarks.roofline import start_decoding
 
     engine = llm.engine
-    gen = torch.Generator().manual_seed(0)
-    params = SamplingParams(max_tokens=steps + 50, temperature=0, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"step-{i}", torch.randint(3, 40000, (context,), generator=gen).tolist(), params)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
-        engine.step()
-    engine.step()  # every request decoding from here on
+    ids = start_decoding(engine, batch, context, steps + 50, "step")
     spent = {"forward": [], "attention": [], "linear": [], "lm_head": []}
     model = engine.loaded.model
     originals = {"forward": model.forward, "attention": llama.paged_attention, "linear": llama.linear,
@@ -128,8 +122,8 @@ def decode_step_pdserve(llm, batch: int, context: int, steps: int) -> dict:
     finally:
         model.forward, llama.paged_attention, llama.linear = (originals[k] for k in ("forward", "attention", "linear"))
         del model.compute_logits  # the instance attribute shadowed the method
-        for i in range(batch):
-            engine.abort_request(f"step-{i}")
+        for request_id in ids:
+            engine.abort_request(request_id)
     forward = sum(spent["forward"]) / steps
     mean = {name: 1000 * sum(spent[name]) / steps for name in ("attention", "linear", "lm_head")}
     per_step = [f + h for f, h in zip(spent["forward"], spent["lm_head"], strict=True)]

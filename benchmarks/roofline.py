@@ -213,19 +213,27 @@ def measure_prefill(llm, length: int, repeats: int) -> dict:
     return sorted(runs, key=lambda run: run["model_ms"])[len(runs) // 2]
 
 
-def measure_decode(llm, batch: int, context: int, steps: int) -> dict:
-    """The model's parts per decode step once `batch` requests of `context` prompt tokens
-    all decode (means over `steps` steps)."""
+def start_decoding(engine, batch: int, context: int, max_tokens: int, prefix: str) -> list[str]:
+    """Add `batch` requests of `context` random prompt tokens (ids `prefix`-i) and step the
+    engine until every one of them decodes; returns their ids (the caller aborts them)."""
     from pdserve.engine import SamplingParams
 
-    engine = llm.engine
     gen = torch.Generator().manual_seed(0)
-    params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"floor-{i}", torch.randint(3, 40000, (context,), generator=gen).tolist(), params)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    ids = [f"{prefix}-{i}" for i in range(batch)]
+    for request_id in ids:
+        engine.add_request(request_id, torch.randint(3, 40000, (context,), generator=gen).tolist(), params)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
         engine.step()
     engine.step()  # every request decoding from here on
+    return ids
+
+
+def measure_decode(llm, batch: int, context: int, steps: int) -> dict:
+    """The model's parts per decode step once `batch` requests of `context` prompt tokens
+    all decode (means over `steps` steps)."""
+    engine = llm.engine
+    ids = start_decoding(engine, batch, context, steps + 8, "floor")
     step_times = []
     try:
         with PartTimer(engine.loaded.model) as timer:
@@ -234,8 +242,8 @@ def measure_decode(llm, batch: int, context: int, steps: int) -> dict:
                 engine.step()
                 step_times.append(1000 * (time.perf_counter() - start))
     finally:
-        for i in range(batch):
-            engine.abort_request(f"floor-{i}")
+        for request_id in ids:
+            engine.abort_request(request_id)
     return {**timer.parts_ms(steps), "engine_step_ms_median": statistics.median(step_times)}
 
 
