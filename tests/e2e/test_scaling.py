@@ -89,19 +89,30 @@ def in_flight(stats: dict) -> int:
     return stats["num_waiting"] + stats["num_running"] + stats["num_waiting_for_kv"]
 
 
-def kill_while_holding_a_request(controller, worker_id: str, timeout_s: float = 60) -> dict:
-    """Poll the worker actor's own Stats until it holds a request, then kill its process at
-    once (SIGKILL, as a crash would: no RPC round trip between the look and the kill);
-    returns the Stats it was killed on."""
+def decoding(before: dict, now: dict) -> bool:
+    """Whether a decode worker is streaming tokens: requests in its batch at two polls, and
+    decode steps computed between them, so a request it holds has sent tokens to the router
+    (one still queued or waiting for its KV has sent none: it is retried, not migrated)."""
+    return before["num_running"] > 0 and now["num_running"] > 0 \
+        and now["decode_tokens_computed"] > before["decode_tokens_computed"]
+
+
+def kill_while_holding_a_request(controller, worker_id: str, mid_stream: bool = False,
+                                 timeout_s: float = 60) -> dict:
+    """Poll the worker actor's own Stats until it holds a request (with `mid_stream`, until
+    it is `decoding`), then kill its process at once (SIGKILL, as a crash would: no RPC round
+    trip between the look and the kill); returns the Stats it was killed on."""
     import ray
 
     handle = ray.get(controller.handle_of.remote(worker_id))
     [pid] = [w["pid"] for p in pool_state(controller)["pools"].values() for w in p["workers"]
              if w["worker_id"] == worker_id]
     deadline = time.monotonic() + timeout_s
-    while not in_flight(stats := ray.get(handle.stats.remote())):
+    before = stats = ray.get(handle.stats.remote())
+    while not (decoding(before, stats) if mid_stream else in_flight(stats)):
         assert time.monotonic() < deadline, f"worker {worker_id} held no request in {timeout_s} s of traffic"
         time.sleep(0.002)
+        before, stats = stats, ray.get(handle.stats.remote())
     os.kill(pid, signal.SIGKILL)
     return stats
 
@@ -160,7 +171,7 @@ def test_a_killed_worker_actor_loses_no_request_and_is_replaced(service, role):
     with Traffic(service["url"], clients=8 if role == "prefill" else 4, max_tokens=40,
                  prompt_lengths=KILL_PROMPT_LENGTHS[role]) as traffic:
         traffic.wait_for_outcomes(4, "traffic flows before the kill")
-        held = kill_while_holding_a_request(controller, victim_id)
+        held = kill_while_holding_a_request(controller, victim_id, mid_stream=role == "decode")
         killed_at = len(traffic.outcomes)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -185,7 +196,8 @@ def test_a_killed_worker_actor_loses_no_request_and_is_replaced(service, role):
     assert outcomes[:killed_at] and all(o == "ok" for o in outcomes[:killed_at])
     assert outcomes[restored_at:] and all(o == "ok" for o in outcomes[restored_at:]), "the restored pool serves"
     if role == "decode":  # its streams were cut mid-way and resumed elsewhere, not just never sent to it
-        assert migrations(service["url"]) > migrated_before, "no stream of the killed decode worker was resumed"
+        assert migrations(service["url"]) > migrated_before, \
+            f"no stream of the killed decode worker was resumed (killed on {held})"
     else:  # the decode worker's legs on it failed, and were served elsewhere
         after = failed_legs(controller)
         assert sum(n - failed_legs_before[w] for w, n in after.items() if w in failed_legs_before) > 0, \
