@@ -1,6 +1,12 @@
-"""Linear layers, with weights pre-packed for oneDNN on the CPU (bf16 and fp32).
+"""Linear layers, with weights pre-packed on the CPU: bf16 for the engine's own kernel where the
+CPU has avx512_bf16 (and no AMX), otherwise (and fp32) for oneDNN.
 
-bf16: `F.linear` on bf16 CPU tensors reorders the weight into oneDNN's blocked layout on
+bf16 with avx512_bf16: `linear_bf16` (csrc/linear_bf16.cpp) on a `PanelWeight`. It gives
+oneDNN's bits (the same summation order, which it documents) at every row count, so a
+worker that cannot build the kernels computes what one that can does, and it streams the
+weights faster: decode-step products of 1-64 rows ran 1.2-1.5x faster than oneDNN's on
+SmolLM2's shapes, large ones at parity (benchmarks/linear_bf16.py).
+bf16 through oneDNN: `F.linear` on bf16 CPU tensors reorders the weight into oneDNN's blocked layout on
 every call; packing it once at load (`torch.ops.mkldnn._reorder_linear_weight`, what
 inductor's CPU backend does) makes the small-batch products of decode steps 1.4-2.2x faster
 (measured at 1-64 rows on SmolLM2's shapes) with bit-identical results.
@@ -23,9 +29,12 @@ Elsewhere (CUDA, fp16, a torch build without the op) weights stay plain tensors 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from pdserve.engine.model.kernels import cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -44,13 +53,41 @@ def cpu_has_amx() -> bool:
 _CHUNK_BF16_ROWS = cpu_has_amx()
 
 
+@dataclass(frozen=True)
+class PanelWeight:
+    """A bf16 weight `[out_features, in_features]` in the panels of the CPU kernel's
+    `linear_bf16` (`pack_linear_bf16`: out_features padded to a multiple of 48)."""
+
+    panels: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.panels.numel() * self.panels.element_size()
+
+
+def _panel_kernels(weight: torch.Tensor):
+    """The CPU kernels when `weight` can be a PanelWeight here (a bf16 CPU matrix with an even
+    number of input features, on a CPU with avx512_bf16 and without AMX, whose oneDNN
+    products `linear` keeps), else None."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[1] % 2:
+        return None
+    kernels = None if _CHUNK_BF16_ROWS else cpu_kernels()
+    return kernels if kernels is not None and kernels.has_linear_bf16 else None
+
+
 def can_pack(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float32)
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available())
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available()) \
+        or _panel_kernels(weight) is not None
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
+def pack(weight: torch.Tensor) -> torch.Tensor | PanelWeight:
     """`weight` `[out, in]` in the layout `linear` runs fastest with here (itself if none)."""
+    kernels = _panel_kernels(weight)
+    if kernels is not None:
+        return PanelWeight(kernels.pack_linear_bf16(weight), weight.shape[0], weight.shape[1])
     if not can_pack(weight):
         return weight
     try:
@@ -60,8 +97,10 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
         return weight
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | PanelWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight.T + bias` for a plain or packed weight.
+
+    A PanelWeight runs the CPU kernel's `linear_bf16`, whose rows never depend on each other.
 
     A packed product of one row is run as two (the row twice): oneDNN takes another path for
     a single row, whose results differ in the last bits from the same row among others
@@ -69,6 +108,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     bf16 and fp32), so a request decoding alone would drift from the same request batched.
     Every row count from 2 up gives a row the same bits; with AMX, a bf16 product of more
     than AMX_INVARIANT_ROWS rows runs in blocks of that many (see the module docstring)."""
+    if isinstance(weight, PanelWeight):
+        rows = x.reshape(-1, weight.in_features)
+        out = cpu_kernels().linear_bf16(rows, weight.panels, weight.out_features, bias)
+        return out.view(*x.shape[:-1], weight.out_features)
     if weight.layout == torch._mkldnn:
         if _CHUNK_BF16_ROWS and x.dim() == 2 and x.shape[0] > AMX_INVARIANT_ROWS and x.dtype == torch.bfloat16:
             return torch.cat([packed_product(block, weight, bias) for block in x.split(AMX_INVARIANT_ROWS)])

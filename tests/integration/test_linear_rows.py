@@ -13,11 +13,11 @@ import torch
 
 import pdserve.engine.model.llama as llama
 from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.model.linear import PanelWeight
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_row_gets_the_same_bits_alone_and_among_others(smollm2_dir, dtype):
-    llm = LLM(str(smollm2_dir), max_model_len=128, dtype=dtype)
+def capture_products(llm: LLM) -> list[tuple]:
+    """(x, weight, bias) of every linear product of a short greedy generation."""
     captured = []
     original = llama.linear
 
@@ -31,6 +31,14 @@ def test_a_row_gets_the_same_bits_alone_and_among_others(smollm2_dir, dtype):
         llm.generate(["Write a poem about autumn leaves."], params)
     finally:
         llama.linear = original
+    return captured
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_row_gets_the_same_bits_alone_and_among_others(smollm2_dir, dtype):
+    llm = LLM(str(smollm2_dir), max_model_len=128, dtype=dtype)
+    captured = capture_products(llm)
+    original = llama.linear
     decode_calls = [c for c in captured if c[0].shape[0] == 1]
     assert len(decode_calls) >= 2 * 4 * llm.engine.loaded.shape.num_layers  # every layer's 4 products, 2 steps
     generator = torch.Generator().manual_seed(0)
@@ -41,6 +49,28 @@ def test_a_row_gets_the_same_bits_alone_and_among_others(smollm2_dir, dtype):
         for batch in (torch.cat([row, others[:1]]), torch.cat([others[:4], row]), torch.cat([others, row])):
             position = 0 if batch[0].equal(row[0]) else batch.shape[0] - 1
             if not torch.equal(original(batch, weight, bias)[position], alone[0]):
-                mismatched.append((index, tuple(weight.shape) if weight.layout == torch.strided else "packed",
-                                   batch.shape[0]))
+                plain = isinstance(weight, torch.Tensor) and weight.layout == torch.strided
+                mismatched.append((index, tuple(weight.shape) if plain else "packed", batch.shape[0]))
     assert not mismatched, f"{len(mismatched)} (call, weight, rows) differing from the row alone: {mismatched[:5]}"
+
+
+def test_the_cpu_kernels_products_give_onednns_bits_on_real_activations(smollm2_dir):
+    """Where bf16 weights are PanelWeights (avx512_bf16, no AMX), every product of a real
+    prefill and decode gives the bits oneDNN's packed product gives the same rows (at 2 rows
+    or more, its path for one row rounds otherwise): a worker without the kernels computes
+    what one with them does."""
+    llm = LLM(str(smollm2_dir), max_model_len=128, dtype="bfloat16")
+    captured = [c for c in capture_products(llm) if isinstance(c[1], PanelWeight)]
+    if not captured:
+        pytest.skip("bf16 weights are not PanelWeights on this CPU")
+    mismatched = []
+    for index, (x, weight, bias) in enumerate(captured):
+        panels = weight.panels  # [panels, in / 2, 48, 2] back to [out, in]
+        plain = panels.transpose(1, 2).reshape(-1, weight.in_features)[:weight.out_features].contiguous()
+        rows = x if x.shape[0] >= 2 else torch.cat([x, x])
+        expected = torch.ops.mkldnn._linear_pointwise(rows, torch.ops.mkldnn._reorder_linear_weight(plain), bias,
+                                                      "none", [], "")[:x.shape[0]]
+        if not torch.equal(llama.linear(x, weight, bias), expected):
+            mismatched.append((index, x.shape[0], weight.out_features, weight.in_features))
+    assert len(captured) >= 2 * 4 * llm.engine.loaded.shape.num_layers
+    assert not mismatched, f"{len(mismatched)} products differing from oneDNN's: {mismatched[:5]}"
