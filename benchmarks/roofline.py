@@ -73,9 +73,11 @@ def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
 def weight_bytes(model) -> int:
     """Bytes a forward reads of weights: every layer's matrices and norms, the final norm and
     the LM head (the embedding lookup touches a few rows only)."""
+    from pdserve.engine.model.linear import PanelWeight
+
     tensors = [model.norm, model.lm_head]
     for layer in model.layers:
-        tensors += [t for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+        tensors += [t for t in vars(layer).values() if isinstance(t, torch.Tensor | PanelWeight)]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 

@@ -62,9 +62,12 @@ class PanelWeight:
     out_features: int
     in_features: int
 
-    @property
-    def nbytes(self) -> int:
-        return self.panels.numel() * self.panels.element_size()
+    def numel(self) -> int:
+        """Elements of the weight it packs (as a tensor's numel: what rooflines count)."""
+        return self.out_features * self.in_features
+
+    def element_size(self) -> int:
+        return self.panels.element_size()
 
 
 def _panel_kernels(weight: torch.Tensor):
