@@ -4,8 +4,7 @@ CPU has avx512_bf16 (and no AMX), otherwise (and fp32) for oneDNN.
 bf16 with avx512_bf16: `linear_bf16` (csrc/linear_bf16.cpp) on a `PanelWeight`. It gives
 oneDNN's bits (the same summation order, which it documents) at every row count, so a
 worker that cannot build the kernels computes what one that can does, and it streams the
-weights faster: decode-step products of 1-64 rows ran 1.2-1.5x faster than oneDNN's on
-SmolLM2's shapes, large ones at parity (benchmarks/linear_bf16.py).
+weights faster at decode's few rows (benchmarks/linear_bf16.py compares the two).
 bf16 through oneDNN: `F.linear` on bf16 CPU tensors reorders the weight into oneDNN's blocked layout on
 every call; packing it once at load (`torch.ops.mkldnn._reorder_linear_weight`, what
 inductor's CPU backend does) makes the small-batch products of decode steps 1.4-2.2x faster

@@ -8,16 +8,15 @@
 // them to every row (vdpbf16ps with the row's pair broadcast).
 //
 // The summation order is fixed by the weight alone, never by the number of rows: each output
-// sums its products pair by pair, in order, within blocks of kBlock input features (512 when
-// K <= 1024, else 1024), and adds the block sums in order. So a row's bits do not depend on
+// sums its products pair by pair, in order, within blocks of block_of(K) input features (512
+// when K <= 1024, else 1024), and adds the block sums in order. So a row's bits do not depend on
 // how many rows share the product (batch invariance), and they are the bits oneDNN's bf16
 // product (torch.ops.mkldnn._linear_pointwise on a packed weight, at 2 rows or more) gives on
 // avx512_bf16 without AMX, whose brgemm kernel blocks K the same way (measured on an AMD EPYC,
 // Zen 5, torch 2.13's oneDNN; tests/unit/test_linear_bf16.py holds it).
 //
-// Why not oneDNN: on SmolLM2's shapes from memory, 1-64 rows (decode steps) ran 1.2-1.5x
-// faster here, with the weights streaming at 47-49 GB/s against oneDNN's 31-34 at 1-8 rows,
-// and large products at parity (benchmarks/linear_bf16.py).
+// Why not oneDNN: decode-sized products (few rows) stream the weights faster this way; the
+// two are compared side by side in benchmarks/linear_bf16.py.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
