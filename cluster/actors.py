@@ -99,15 +99,20 @@ class WorkerActor:
         self.address = ""
         self._probe = None  # (channel, stub) to this worker's own gRPC server, for `ping`
         self._info: dict = {}  # what start() returned: a restarted controller adopts us from it
+        self._starting = False  # start() is running
 
     async def start(self, engine_kwargs: dict, worker_kwargs: dict, cpu_affinity: list[int] | None = None) -> dict:
         from pdserve.engine.config import EngineConfig
 
-        engine_config = EngineConfig.from_kwargs(**engine_kwargs)
-        called = time.monotonic()
-        async with _start_slot(_sim_start_folder() if engine_config.is_sim else None):
-            slot = time.monotonic()
-            info = await self._start(engine_config, worker_kwargs, cpu_affinity)
+        self._starting = True
+        try:
+            engine_config = EngineConfig.from_kwargs(**engine_kwargs)
+            called = time.monotonic()
+            async with _start_slot(_sim_start_folder() if engine_config.is_sim else None):
+                slot = time.monotonic()
+                info = await self._start(engine_config, worker_kwargs, cpu_affinity)
+        finally:
+            self._starting = False
         logger.info("started in %.2f s (%.2f s waiting for a start slot) process_cpu_s=%.2f", time.monotonic() - called,
                     slot - called, time.process_time())
         return info
@@ -133,9 +138,13 @@ class WorkerActor:
         return dict(self._info)
 
     async def info(self) -> dict:
-        """What start() returned, and the state now (starting, ready or draining): how a
-        restarted controller re-adopts this worker."""
-        state = "starting" if self.service is None else ("draining" if self.service.draining else "ready")
+        """What start() returned, and the state now: `unstarted` (start() never ran, or
+        failed: whoever created the actor is gone or gave up on it), `starting`, `ready` or
+        `draining`: how a restarted controller re-adopts this worker."""
+        if self.service is None:
+            state = "starting" if self._starting else "unstarted"
+        else:
+            state = "draining" if self.service.draining else "ready"
         return {**self._info, "role": self.role, "state": state}
 
     async def ping(self) -> bool:

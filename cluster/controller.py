@@ -81,6 +81,7 @@ class Controller(Recovery, RouterReplicas):
         # Ray restarted this actor after it died: re-adopt what runs, at the first call
         self._restarted = ray.get_runtime_context().was_current_actor_reconstructed
         self._adoption: asyncio.Task | None = None
+        self.closing = False  # shutdown began: nothing is started any more
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> str:
@@ -107,6 +108,10 @@ class Controller(Recovery, RouterReplicas):
             self._autoscale_task = loop.create_task(self._autoscale_loop())
 
     async def shutdown(self) -> None:
+        """Stop every router replica and worker. Nothing starts from here on: a worker whose
+        start fails because it is being stopped is not replaced (it would outlive the service,
+        detached, and a later controller would adopt it)."""
+        self.closing = True
         await self._recover()
         for task in (self._health_task, self._autoscale_task):
             if task is not None:
@@ -289,6 +294,9 @@ class Controller(Recovery, RouterReplicas):
         return merge_observations(answered, window_s, percentile)
 
     def _reconcile(self) -> None:
+        """Launch the workers missing below each pool's target and drain those above it."""
+        if self.closing:
+            return
         for role in ROLES:
             live = [w for w in self.workers.values() if w.role == role and w.state in ("pending", "starting", "ready")]
             missing = self.targets[role] - len(live)
@@ -419,12 +427,16 @@ class Controller(Recovery, RouterReplicas):
         logger.info("event role=%s event=%s worker_id=%s %s", role, event, entry["worker_id"], detail)
 
 
+def is_service_actor(name: str) -> bool:
+    """Whether an actor name (in NAMESPACE) is a pdserve worker's or router replica's."""
+    return name.startswith(WORKER_PREFIX) or router_replica(name) is not None
+
+
 def kill_service_actors() -> int:
     """Kill every pdserve worker and router replica left on this Ray cluster (they are
     detached: after a `shutdown` that could not finish, nothing else would); returns how many."""
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["namespace"] == NAMESPACE and (a["name"].startswith(WORKER_PREFIX)
-                                                 or router_replica(a["name"]) is not None)]
+             if a["namespace"] == NAMESPACE and is_service_actor(a["name"])]
     for name in names:
         try:
             ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)

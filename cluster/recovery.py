@@ -163,10 +163,15 @@ class Recovery:
             self.router_url = r.url
 
     async def _adopt_worker(self, name: str) -> WorkerRecord | None:
+        """Adopt a running worker (one still starting: once its start() returns); a dead,
+        hung or `unstarted` one (its creator died before starting it: nothing ever will) is
+        killed and not adopted, and reconcile starts one in its place if the pool wants it."""
         try:
             handle = ray.get_actor(name, namespace=NAMESPACE)
             info = await asyncio.wait_for(handle.info.remote(), 10)
-        except Exception:  # noqa: BLE001 - dead or hung: not adopted (killed if it still exists)
+            if info["state"] == "unstarted":
+                raise RuntimeError(f"worker {name} was never started")
+        except Exception:  # noqa: BLE001 - dead, hung or unstarted: not adopted (killed if it still exists)
             try:
                 ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
@@ -190,6 +195,8 @@ class Recovery:
             try:
                 info = await asyncio.wait_for(w.handle.info.remote(), 10)
             except Exception:  # noqa: BLE001 - died while starting
+                break
+            if info["state"] == "unstarted":  # its start() failed
                 break
             if info["state"] != "starting":
                 w.learn(info)

@@ -14,7 +14,7 @@ state needs no sharing: every replica follows every worker's updates itself.
 
 What the mixin uses of the controller: `config`, `routers` (replica -> RouterRecord),
 `router_target`, `manual`, `router_sizer`, `router_decisions`, `_router_cpu`,
-`_routers_lock`, and its `_event`, `_recover`, `_remember`, `_take_router_url`.
+`_routers_lock`, `closing`, and its `_event`, `_recover`, `_remember`, `_take_router_url`.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ class RouterReplicas:
         """Start router replica `replica` on the head node, or on a node offering
         `router.resources`; raises (and kills it) when it does not start, or when no node has
         room for it within _ROUTER_PLACED_WITHIN_S (a RuntimeError naming the resources)."""
+        if self.closing:
+            raise RuntimeError(f"router replica {replica} not started: the service is shutting down")
         needs = dict(self.config.router.resources) or ON_HEAD
         handle = ray.remote(RouterActor).options(
             name=router_name(replica), namespace=NAMESPACE, num_cpus=0, lifetime="detached", resources=needs,
@@ -87,6 +89,8 @@ class RouterReplicas:
         """Start the missing replicas below `router_target` and stop those above it, at once;
         returns why each replica that failed to start did."""
         async with self._routers_lock:
+            if self.closing:  # shutdown stops them all
+                return []
             missing = [i for i in range(self.router_target) if i not in self.routers]
             extra = [r for i, r in self.routers.items() if i >= self.router_target and r.state != "stopping"]
             for r in extra:

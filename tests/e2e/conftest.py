@@ -44,6 +44,8 @@ def start_service(model_dir, **overrides):
     from pdserve.cluster.config import load_config
     from pdserve.cluster.controller import create_controller
 
+    left = service_actors()
+    assert not left, f"an earlier service left {describe(left)} on this Ray cluster"
     tier_directory = tempfile.mkdtemp(prefix="service-", dir=os.environ.get("PDSERVE_KV_TIER_DIR"))
     settings = {
         "model": str(model_dir), "served_model_name": "tiny", "worker_host": "127.0.0.1",
@@ -64,11 +66,54 @@ def start_service(model_dir, **overrides):
     return controller, url
 
 
+def service_actors() -> list[str]:
+    """The names of the pdserve workers and router replicas Ray still holds."""
+    import ray
+
+    from pdserve.cluster.controller import is_service_actor
+    from pdserve.cluster.recovery import NAMESPACE
+
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["namespace"] == NAMESPACE and is_service_actor(a["name"]))
+
+
+def describe(names: list[str]) -> dict[str, str]:
+    """Each service actor's state as it answers `info` (or why it does not)."""
+    import ray
+
+    from pdserve.cluster.recovery import NAMESPACE
+
+    out = {}
+    for name in names:
+        try:
+            out[name] = ray.get(ray.get_actor(name, namespace=NAMESPACE).info.remote(), timeout=5)["state"]
+        except Exception as exc:  # noqa: BLE001 - dying, or gone meanwhile
+            out[name] = type(exc).__name__
+    return out
+
+
 def stop_service(controller) -> None:
+    """Shut the service down; it must leave no worker or router replica behind (they are
+    detached: a left one would outlive the test and be adopted by the next service's
+    restarted controller). The controller lives on while that is checked, until none has
+    been seen for 2 s, so that a start it had under way can show itself."""
     import ray
 
     ray.get(controller.shutdown.remote(), timeout=60)
+    deadline, clear_since = time.monotonic() + 15, None  # ray.kill returns before a name is released
+    while time.monotonic() < deadline:
+        left = service_actors()
+        clear_since = None if left else (clear_since or time.monotonic())
+        if clear_since is not None and time.monotonic() - clear_since >= 2.0:
+            break
+        time.sleep(0.2)
     ray.kill(controller)
+    if left:
+        from pdserve.cluster.controller import kill_service_actors
+
+        found = describe(left)
+        kill_service_actors()  # the failure stays this test's: the next service starts on a clean cluster
+        raise AssertionError(f"the service's shutdown left {found} running")
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,12 @@
 """Router replicas on the real controller (`router.replicas: 2`, a simulated deployment with
 three decode workers): both replicas serve requests through the one port; one replica's
 process SIGKILLed mid-traffic ends only the streams it carried, while those on the other all
-complete; the controller replaces the dead replica alone (a new process, same name);
-`scale(routers=1)` leaves one; a chat's turns land on the worker holding their prefix
-whichever replica takes them; a replica started after the chats began routes their later
-turns to their prefixes too (its index starts from the workers' snapshots)."""
+complete; the controller replaces the dead replica alone (a new process, same name); a
+restarted controller re-adopts every replica, and kills a worker actor its predecessor created
+but never started rather than waiting for it; `scale(routers=1)` leaves one; a chat's turns
+land on the worker holding their prefix whichever replica takes them; a replica started after
+the chats began routes their later turns to their prefixes too (its index starts from the
+workers' snapshots)."""
 
 from __future__ import annotations
 
@@ -57,6 +59,23 @@ def inflight(handle) -> int:
     import ray
 
     return ray.get(handle.observation_samples.remote(1.0), timeout=30)["inflight"]
+
+
+def scale_routers(controller, n: int) -> None:
+    """`scale(routers=n)`, which must return within 120 s with n replicas; when it does not,
+    the failure shows what the controller reports meanwhile (its replicas, latest events) and
+    the service actors Ray holds."""
+    import ray
+
+    from pdserve.cluster.recovery import NAMESPACE as ns
+
+    try:
+        assert ray.get(controller.scale.remote(routers=n), timeout=120)["routers"] == n
+    except ray.exceptions.GetTimeoutError:
+        now = status(controller)
+        actors = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == ns)
+        raise AssertionError(f"scale(routers={n}) did not return in 120 s: routers {now['routers']}, "
+                             f"events {now['events'][-12:]}, actors {actors}") from None
 
 
 def complete_once(url: str) -> None:
@@ -179,13 +198,13 @@ def test_a_killed_replica_cuts_only_its_streams_and_is_replaced_alone(replicated
     assert sum(after[i] - before[i] for i in handles) == 16 and after[1] > before[1], (before, after)
 
 
-def test_a_restarted_controller_re_adopts_every_replica(replicated):
+def crash_and_restart(controller) -> dict:
+    """Kill the controller as a crash would; Ray restarts it, and it re-adopts what runs.
+    Returns its status once it says it restarted."""
     import ray
 
-    controller, url = replicated
-    before = {r["replica"]: r["pid"] for r in status(controller)["routers"]}
     killed_at = time.time()
-    ray.kill(controller, no_restart=False)  # a crash: Ray restarts it, and it re-adopts what runs
+    ray.kill(controller, no_restart=False)
 
     def restarted():
         try:
@@ -195,9 +214,38 @@ def test_a_restarted_controller_re_adopts_every_replica(replicated):
         events = [e for e in now["events"] if e["time"] >= killed_at and e["event"] == "controller_restarted"]
         return now if events else None
 
-    now = wait_for("the controller is back", restarted)
+    return wait_for("the controller is back", restarted)
+
+
+def test_a_restarted_controller_re_adopts_every_replica(replicated):
+    controller, url = replicated
+    before = {r["replica"]: r["pid"] for r in status(controller)["routers"]}
+    now = crash_and_restart(controller)
     assert {r["replica"]: r["pid"] for r in now["routers"]} == before and now["router_target"] == 2
     assert "2 router replica(s)" in [e for e in now["events"] if e["event"] == "controller_restarted"][-1]["detail"]
+    complete_once(url)
+
+
+def test_a_restarted_controller_kills_a_worker_its_predecessor_never_started(replicated):
+    """A controller that dies between creating a worker's actor and starting it leaves an
+    actor nobody will start: the restarted controller kills it rather than waiting for it,
+    and scales at once."""
+    import ray
+
+    from pdserve.cluster.actors import WorkerActor
+    from pdserve.cluster.recovery import WORKER_PREFIX
+
+    controller, url = replicated
+    name = f"{WORKER_PREFIX}decode-never-started"
+    orphan = ray.remote(WorkerActor).options(name=name, namespace=NAMESPACE, lifetime="detached",
+                                             num_cpus=0).remote("decode")
+    assert ray.get(orphan.info.remote(), timeout=60)["state"] == "unstarted"
+    workers = {w["worker_id"] for w in status(controller)["pools"]["decode"]["workers"]}
+    crash_and_restart(controller)
+    assert ray.get(controller.scale.remote(decode=3), timeout=60)["decode"] == 3  # nothing left to wait for
+    wait_for("the never-started worker is gone", lambda: name not in {
+        a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE})
+    assert {w["worker_id"] for w in status(controller)["pools"]["decode"]["workers"]} == workers
     complete_once(url)
 
 
@@ -205,14 +253,14 @@ def test_scaling_to_one_router_leaves_one(replicated):
     import ray
 
     controller, url = replicated
-    assert ray.get(controller.scale.remote(routers=1), timeout=120)["routers"] == 1
+    scale_routers(controller, 1)
     now = status(controller)
     assert [r["replica"] for r in now["routers"]] == [0] and now["router_target"] == 1
     wait_for("replica 1's actor is gone", lambda: f"{ROUTER_NAME}-1" not in {
         a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE})
     for _ in range(5):
         complete_once(url)
-    assert ray.get(controller.scale.remote(routers=2), timeout=120)["routers"] == 2
+    scale_routers(controller, 2)
     assert [r["replica"] for r in status(controller)["routers"]] == [0, 1]
     complete_once(url)
 
@@ -268,12 +316,12 @@ def test_a_replica_started_late_routes_with_the_whole_index(replicated):
     import ray
 
     controller, url = replicated
-    assert ray.get(controller.scale.remote(routers=1), timeout=120)["routers"] == 1
+    scale_routers(controller, 1)
     chats = [Chat(url, seed) for seed in range(100, 108)]
     for _ in range(2):
         for chat in chats:
             assert chat.turn()["replica"] == 0
-    assert ray.get(controller.scale.remote(routers=2), timeout=120)["routers"] == 2
+    scale_routers(controller, 2)
     late = replicas(controller)[1]
     time.sleep(1.0)
 

@@ -97,11 +97,11 @@ def decoding(before: dict, now: dict) -> bool:
         and now["decode_tokens_computed"] > before["decode_tokens_computed"]
 
 
-def kill_while_holding_a_request(controller, worker_id: str, mid_stream: bool = False,
+def kill_while_holding_a_request(controller, worker_id: str, mid_stream: bool = False, at_least: int = 1,
                                  timeout_s: float = 60) -> dict:
-    """Poll the worker actor's own Stats until it holds a request (with `mid_stream`, until
-    it is `decoding`), then kill its process at once (SIGKILL, as a crash would: no RPC round
-    trip between the look and the kill); returns the Stats it was killed on."""
+    """Poll the worker actor's own Stats until it holds `at_least` requests (with
+    `mid_stream`, until it is `decoding`), then kill its process at once (SIGKILL, as a crash
+    would: no RPC round trip between the look and the kill); returns the Stats it was killed on."""
     import ray
 
     handle = ray.get(controller.handle_of.remote(worker_id))
@@ -109,7 +109,7 @@ def kill_while_holding_a_request(controller, worker_id: str, mid_stream: bool = 
              if w["worker_id"] == worker_id]
     deadline = time.monotonic() + timeout_s
     before = stats = ray.get(handle.stats.remote())
-    while not (decoding(before, stats) if mid_stream else in_flight(stats)):
+    while not (decoding(before, stats) if mid_stream else in_flight(stats) >= at_least):
         assert time.monotonic() < deadline, f"worker {worker_id} held no request in {timeout_s} s of traffic"
         time.sleep(0.002)
         before, stats = stats, ray.get(handle.stats.remote())
@@ -171,7 +171,10 @@ def test_a_killed_worker_actor_loses_no_request_and_is_replaced(service, role):
     with Traffic(service["url"], clients=8 if role == "prefill" else 4, max_tokens=40,
                  prompt_lengths=KILL_PROMPT_LENGTHS[role]) as traffic:
         traffic.wait_for_outcomes(4, "traffic flows before the kill")
-        held = kill_while_holding_a_request(controller, victim_id, mid_stream=role == "decode")
+        # a prefill worker holding one leg may finish it between the look and the kill (a tiny
+        # model prefills in milliseconds); holding two, one of them is queued behind the other
+        held = kill_while_holding_a_request(controller, victim_id, mid_stream=role == "decode",
+                                            at_least=2 if role == "prefill" else 1)
         killed_at = len(traffic.outcomes)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -230,3 +233,4 @@ def test_a_dead_router_is_replaced(service):
     wait_http(service["url"] + "/health", timeout_s=60)
     status, body, _ = post(service["url"] + "/v1/completions", {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3})
     assert status == 200 and body["usage"]["completion_tokens"] == 3
+

@@ -94,17 +94,19 @@ async def settle(worker: WorkerProcess, until=settled) -> pb.WorkerStats:
         return await poll(stub, until)
 
 
-def run(decode: WorkerProcess, requests, prefill: list[WorkerProcess], tag: str, transport: str = "torch"):
-    """Run `requests` at once on `decode`, offering it `prefill`; then wait until it and they
-    settle. Returns ((tokens, finish, prefilled_by) per request, its Stats before, after)."""
+def run(decode: WorkerProcess, requests, prefill: list[WorkerProcess], tag: str, transport: str = "torch",
+        one_at_a_time: bool = False):
+    """Run `requests` at once on `decode` (or, `one_at_a_time`, each after the last finished),
+    offering it `prefill`; then wait until it and they settle. Returns ((tokens, finish,
+    prefilled_by) per request, its Stats before, after)."""
     async def scenario():
         channel, stub = decode_stub(decode.address)
         async with channel:
             before = await stub.Stats(pb.StatsRequest())
-            results = await asyncio.gather(*(
-                collect(stub, generate_request(f"{tag}-{i}", ids, prefill=[p.address for p in prefill],
-                                               transport=transport, **params))
-                for i, (ids, params) in enumerate(requests)))
+            calls = [collect(stub, generate_request(f"{tag}-{i}", ids, prefill=[p.address for p in prefill],
+                                                    transport=transport, **params))
+                     for i, (ids, params) in enumerate(requests)]
+            results = [await c for c in calls] if one_at_a_time else await asyncio.gather(*calls)
         after = await settle(decode)
         for worker in prefill:
             await settle(worker)
@@ -141,7 +143,9 @@ def test_remote_prefill_computes_and_ships_only_what_the_tier_lacks(cluster, ref
 def test_a_tail_the_tier_leaves_short_is_prefilled_on_the_decode_worker(cluster, reference, sampled):
     requests = workload(seed=10 + sampled, sampled=sampled)
     run(cluster.d1, requests, [cluster.p1], "write")
-    results, before, after = run(cluster.d3, requests, [cluster.p1], "local")
+    # one at a time: requests arriving together would see each other's prompts queued on d3,
+    # and the pile-up rule (`_where_to_prefill`) would send the later ones to the prefill pool
+    results, before, after = run(cluster.d3, requests, [cluster.p1], "local", one_at_a_time=True)
     assert [tokens for tokens, _, _ in results] == reference(requests)
     # what neither its pool nor its tier holds is at most BLOCK tokens only with the tier
     assert [by == "local" for _, _, by in results] == [cluster.tier] * len(requests)
