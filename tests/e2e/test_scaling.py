@@ -97,11 +97,19 @@ def decoding(before: dict, now: dict) -> bool:
         and now["decode_tokens_computed"] > before["decode_tokens_computed"]
 
 
-def kill_while_holding_a_request(controller, worker_id: str, mid_stream: bool = False, at_least: int = 1,
-                                 timeout_s: float = 60) -> dict:
-    """Poll the worker actor's own Stats until it holds `at_least` requests (with
-    `mid_stream`, until it is `decoding`), then kill its process at once (SIGKILL, as a crash
-    would: no RPC round trip between the look and the kill); returns the Stats it was killed on."""
+def prefilling(stats: dict) -> bool:
+    """Whether a prefill worker has prompt tokens still to compute: a leg that has sent its
+    decode worker nothing final yet. (Its open streams also count legs already computed and
+    waiting for the decode worker's ack, which a tiny model reaches in milliseconds: killed
+    then, the leg may not fail.)"""
+    return stats["queued_prefill_tokens"] > 0
+
+
+def kill_while_holding_a_request(controller, worker_id: str, timeout_s: float = 60) -> dict:
+    """Poll the worker actor's own Stats until it holds a request mid-way (a decode worker
+    `decoding`, a prefill worker `prefilling`), then kill its process at once (SIGKILL, as a
+    crash would: no RPC round trip between the look and the kill); returns the Stats it was
+    killed on."""
     import ray
 
     handle = ray.get(controller.handle_of.remote(worker_id))
@@ -109,8 +117,8 @@ def kill_while_holding_a_request(controller, worker_id: str, mid_stream: bool = 
              if w["worker_id"] == worker_id]
     deadline = time.monotonic() + timeout_s
     before = stats = ray.get(handle.stats.remote())
-    while not (decoding(before, stats) if mid_stream else in_flight(stats) >= at_least):
-        assert time.monotonic() < deadline, f"worker {worker_id} held no request in {timeout_s} s of traffic"
+    while not (prefilling(stats) if stats["role"] == "prefill" else decoding(before, stats)):
+        assert time.monotonic() < deadline, f"worker {worker_id} held no request mid-way in {timeout_s} s of traffic"
         time.sleep(0.002)
         before, stats = stats, ray.get(handle.stats.remote())
     os.kill(pid, signal.SIGKILL)
@@ -171,10 +179,7 @@ def test_a_killed_worker_actor_loses_no_request_and_is_replaced(service, role):
     with Traffic(service["url"], clients=8 if role == "prefill" else 4, max_tokens=40,
                  prompt_lengths=KILL_PROMPT_LENGTHS[role]) as traffic:
         traffic.wait_for_outcomes(4, "traffic flows before the kill")
-        # a prefill worker holding one leg may finish it between the look and the kill (a tiny
-        # model prefills in milliseconds); holding two, one of them is queued behind the other
-        held = kill_while_holding_a_request(controller, victim_id, mid_stream=role == "decode",
-                                            at_least=2 if role == "prefill" else 1)
+        held = kill_while_holding_a_request(controller, victim_id)
         killed_at = len(traffic.outcomes)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -204,7 +209,7 @@ def test_a_killed_worker_actor_loses_no_request_and_is_replaced(service, role):
     else:  # the decode worker's legs on it failed, and were served elsewhere
         after = failed_legs(controller)
         assert sum(n - failed_legs_before[w] for w, n in after.items() if w in failed_legs_before) > 0, \
-            f"no prefill leg failed: {failed_legs_before} -> {after}"
+            f"no prefill leg failed: {failed_legs_before} -> {after} (killed on {held})"
     events = [(e["role"], e["event"]) for e in pool_state(controller)["events"]]
     assert (role, "died") in events
 
