@@ -22,7 +22,7 @@ import pytest
 
 from pdserve.cluster.recovery import NAMESPACE, ROUTER_NAME
 from pdserve.engine.config import SIM_MODEL
-from tests.e2e.conftest import start_service, stop_service
+from tests.e2e.conftest import service_actors, start_service, stop_service
 from tests.e2e.http import post
 
 MAX_TOKENS = 120
@@ -67,13 +67,11 @@ def scale_routers(controller, n: int) -> None:
     the service actors Ray holds."""
     import ray
 
-    from pdserve.cluster.recovery import NAMESPACE as ns
-
     try:
         assert ray.get(controller.scale.remote(routers=n), timeout=120)["routers"] == n
     except ray.exceptions.GetTimeoutError:
         now = status(controller)
-        actors = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == ns)
+        actors = service_actors()
         raise AssertionError(f"scale(routers={n}) did not return in 120 s: routers {now['routers']}, "
                              f"events {now['events'][-12:]}, actors {actors}") from None
 
@@ -243,8 +241,7 @@ def test_a_restarted_controller_kills_a_worker_its_predecessor_never_started(rep
     workers = {w["worker_id"] for w in status(controller)["pools"]["decode"]["workers"]}
     crash_and_restart(controller)
     assert ray.get(controller.scale.remote(decode=3), timeout=60)["decode"] == 3  # nothing left to wait for
-    wait_for("the never-started worker is gone", lambda: name not in {
-        a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE})
+    wait_for("the never-started worker is gone", lambda: name not in service_actors())
     assert {w["worker_id"] for w in status(controller)["pools"]["decode"]["workers"]} == workers
     complete_once(url)
 
