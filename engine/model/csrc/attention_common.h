@@ -42,6 +42,25 @@ inline void prefetch_l2(const T* row, int64_t count) {
   for (int64_t off = 0; off < count * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(p + off, 0, 2);
 }
 
+// Reads one word of every cache line of `count` elements at `p`, in ascending order, and
+// nothing more. The kernels read a block's rows one kv head at a time, which jumps through
+// the block in strides of a token's row; the hardware's stream prefetcher does not follow
+// that pattern, and memory then waits on the arithmetic. Touching the block's lines in
+// order first starts the stream, so the lines after them arrive while this block is
+// computed (software prefetches of the same lines, in place of the touch, were slower:
+// benchmarks/README.md, "decode attention").
+template <typename T>
+inline void touch_in_order(const T* p, int64_t count) {
+  const char* bytes = reinterpret_cast<const char*>(p);
+  int32_t sink = 0;
+  for (int64_t off = 0; off < count * static_cast<int64_t>(sizeof(T)); off += 64) {
+    int32_t word;
+    __builtin_memcpy(&word, bytes + off, sizeof(word));
+    sink |= word;
+  }
+  asm volatile("" : : "r"(sink));
+}
+
 // The largest of `len` >= 1 floats (exact in any order, so taken 16 at a time where the
 // build has AVX-512; std::max_element is not vectorised).
 inline float row_max(const float* s, int64_t len) {

@@ -78,100 +78,130 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
 
 #if defined(__AVX512F__)
 // The AVX-512 kernel: the same contract as decode_attention_impl, restructured so that the
-// step is bound by reading K/V rather than by arithmetic.
-//  - Scores in bf16 with avx512_bf16: keys in lanes (score_group_bf16): each group of up to
-//    16 cached tokens of a kv head is transposed once into bf16 pairs, and every score of
+// step is bound by reading K/V rather than by arithmetic, and so that those reads stream.
+//  - Each sequence is walked block by block, its K blocks then its V blocks, and each block
+//    (all kv heads' rows of its tokens: one contiguous run) is read in one visit
+//    (SequenceBlocks): its lines are touched in ascending order first (touch_in_order) and
+//    the walk's next block is fetched into L2, so that the reads run under the arithmetic.
+//    Taking one kv head at a time through every block, as this kernel once did, jumps
+//    through each block in strides of a token's row, which the hardware prefetcher does not
+//    follow: memory then waited on the arithmetic and the arithmetic on memory.
+//  - Scores in bf16 with avx512_bf16: keys in lanes (score_sequence_bf16): each group of up
+//    to 16 cached tokens of a kv head is transposed once into bf16 pairs, and every score of
 //    the group's query heads is one chain of vdpbf16ps with the query's pair broadcast, four
-//    key groups at a time. Other dtypes: for each kv head and query head of its group, 16
-//    cached tokens at a time, each token's q.k a vector of 16 partial sums reduced together
-//    by one transpose-and-add tree (45 instructions for 16 dot products).
-//  - Values: for each kv head, the output rows of (up to 256 / D) query heads stay in
-//    registers while every cached token's V row is read once. In bf16 with avx512_bf16 the
-//    exps are rounded to bf16 in one pass (exp_row_to_bf16), two tokens are weighed per
-//    vdpbf16ps (weigh_values_bf16) instead of converting each V row to fp32, and the sum
-//    is scaled by 1/sum at the end (mean NLL +0.015% vs fp32 on SmolLM2-135M).
-// Each output's summation order depends only on its own sequence, never on the batch, so a
-// token's attention is the same bits alone, batched, or as a prefill token.
+//    key groups at a time. Other dtypes (score_sequence): 16 cached tokens at a time per
+//    query head, each token's q.k a vector of 16 partial sums reduced together by one
+//    transpose-and-add tree (45 instructions for 16 dot products).
+//  - Values: every head's fp32 output row lives in memory between blocks (loading and
+//    storing it changes no bits) and in registers while a block is weighed, up to 4 heads of
+//    a kv head's group at a time. In bf16 with avx512_bf16 the exps are rounded to bf16 in
+//    one pass (exp_row_to_bf16), two tokens are weighed per vdpbf16ps (weigh_block_bf16)
+//    instead of converting each V row to fp32, and the sum is scaled by 1/sum at the end.
+// Each output's summation order depends only on its own sequence, never on the batch or on
+// where its blocks lie, so a token's attention is the same bits alone, batched, or as a
+// prefill token (paged_prefill.cpp keeps the same order).
 namespace fast {
 
 using namespace pdserve_attention::simd;
 
-// sum over the cached tokens of p[h][t] * V[t] for NH query heads sharing one kv head
-// (`values` points at that head's slice of block 0's first row; probabilities [NH][ctx]).
-// With `prefetch`, block i of the next sequence's K (`next_k`, `next_table`, `next_blocks`)
-// is fetched into L2 while block i of V is weighed.
-template <typename T, int64_t D, int64_t NH, int64_t MAX_NH>
-inline void weigh_values(const T* values, const int64_t* table, int64_t num_blocks, int64_t block_size,
-                         int64_t block_stride, int64_t token_stride, int64_t ctx, const float* probs,
-                         bool prefetch, const T* next_k, const int64_t* next_table, int64_t next_blocks,
-                         __m512 (&out)[MAX_NH][D / 16]) {
-  constexpr int64_t C = D / 16;
-  __m512 acc[NH][C];
-  for (int64_t j = 0; j < NH; ++j)
-    for (int64_t c = 0; c < C; ++c) acc[j][c] = _mm512_setzero_ps();
-  for (int64_t blk = 0; blk < num_blocks; ++blk) {
+// One sequence's blocks in the cache, visited K block by K block, then V block by V block.
+template <typename T>
+struct SequenceBlocks {
+  const T *k, *v;
+  const int64_t* table;
+  int64_t num_blocks, block_stride;
+
+  // K block `blk` (its first token's row), its lines touched in order; the walk's next
+  // block (K's next, after the last one V's first) fetched into L2.
+  const T* key_block(int64_t blk) const {
+    const T* block = k + table[blk] * block_stride;
+    touch_in_order(block, block_stride);
+    prefetch_l2(blk + 1 < num_blocks ? k + table[blk + 1] * block_stride : v + table[0] * block_stride, block_stride);
+    return block;
+  }
+  // V block `blk`, the same way.
+  const T* value_block(int64_t blk) const {
+    const T* block = v + table[blk] * block_stride;
+    touch_in_order(block, block_stride);
+    if (blk + 1 < num_blocks) prefetch_l2(v + table[blk + 1] * block_stride, block_stride);
+    return block;
+  }
+};
+
+// The scaled scores of every query head (`q`: the sequence's [heads][D] rows) against the
+// sequence's first `ctx` cached tokens, into `scores` [heads][ctx]: per block, per head, 16
+// tokens at a time through score16.
+template <typename T, int64_t D>
+inline void score_sequence(const T* q, const SequenceBlocks<T>& blocks, int64_t num_heads, int64_t group,
+                           int64_t block_size, int64_t token_stride, int64_t ctx, float scale, float* scores) {
+  using DotT = typename DotFor<T, D>::type;
+  for (int64_t blk = 0; blk < blocks.num_blocks; ++blk) {
     const int64_t first = blk * block_size, count = std::min(block_size, ctx - first);
-    const T* value = values + table[blk] * block_stride;
-    if (prefetch && blk < next_blocks) prefetch_l2(next_k + next_table[blk] * block_stride, block_stride);
-    for (int64_t i = 0; i < count; ++i, value += token_stride) {
-      __m512 v[C];
-      for (int64_t c = 0; c < C; ++c) v[c] = load16(value + 16 * c);
-      for (int64_t j = 0; j < NH; ++j) {
-        const __m512 p = _mm512_set1_ps(probs[j * ctx + first + i]);
-        for (int64_t c = 0; c < C; ++c) acc[j][c] = _mm512_fmadd_ps(p, v[c], acc[j][c]);
-      }
+    const T* block = blocks.key_block(blk);
+    for (int64_t h = 0; h < num_heads; ++h) {
+      const DotT dot(q + h * D);
+      const T* key = block + (h / group) * D;
+      for (int64_t i0 = 0; i0 < count; i0 += 16)
+        score16(dot, key + i0 * token_stride, token_stride, std::min<int64_t>(16, count - i0), scale,
+                scores + h * ctx + first + i0);
+    }
+  }
+}
+
+// The first `count` tokens of one block of V (`value`: the first token's row of one kv head)
+// weighed into the fp32 rows of NH of its query heads (`acc`, D apart) by their
+// probabilities (`probs`: the first head's at the block's first token, `p_stride` apart),
+// token by token in order.
+template <typename T, int64_t D, int64_t NH>
+inline void weigh_block(const T* value, int64_t token_stride, int64_t count, const float* probs, int64_t p_stride,
+                        float* acc) {
+  constexpr int64_t C = D / 16;
+  __m512 sum[NH][C];
+  for (int64_t j = 0; j < NH; ++j)
+    for (int64_t c = 0; c < C; ++c) sum[j][c] = _mm512_loadu_ps(acc + j * D + 16 * c);
+  for (int64_t i = 0; i < count; ++i, value += token_stride) {
+    __m512 v[C];
+    for (int64_t c = 0; c < C; ++c) v[c] = load16(value + 16 * c);
+    for (int64_t j = 0; j < NH; ++j) {
+      const __m512 p = _mm512_set1_ps(probs[j * p_stride + i]);
+      for (int64_t c = 0; c < C; ++c) sum[j][c] = _mm512_fmadd_ps(p, v[c], sum[j][c]);
     }
   }
   for (int64_t j = 0; j < NH; ++j)
-    for (int64_t c = 0; c < C; ++c) out[j][c] = acc[j][c];
+    for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(acc + j * D + 16 * c, sum[j][c]);
 }
 
 #if defined(__AVX512BF16__)
-// weigh_values for bf16 V with vdpbf16ps: the probabilities rounded to bf16 (as GPU flash
-// attention rounds P before its P.V product) and each pair of neighbouring tokens of a block
-// weighed by one instruction, (p[t], p[t+1]) . (V[t][d], V[t+1][d]) for 16 dims at a time,
-// instead of converting every V row to fp32 and multiplying once per token (3x fewer
-// instructions per token for a group of 3 heads). `probs16` holds the bf16 probabilities,
-// [NH][ctx + 1] (one spare entry so that a pair read at the last token stays in bounds). A
-// block's last token without a partner (an odd count) is weighed with a zero row. Pairs
+// weigh_block for bf16 V with vdpbf16ps: the probabilities rounded to bf16 (`probs16`, as
+// GPU flash attention rounds P before its P.V product) and each pair of neighbouring tokens
+// of the block weighed by one instruction, (p[t], p[t+1]) . (V[t][d], V[t+1][d]) for 16
+// dims at a time, instead of converting every V row to fp32 and multiplying once per token.
+// A block's last token without a partner (an odd count) is weighed with a zero row. Pairs
 // follow the block and the context length alone, so the result is the same in any batch.
-template <int64_t D, int64_t NH, int64_t MAX_NH>
-inline void weigh_values_bf16(const c10::BFloat16* values, const int64_t* table, int64_t num_blocks,
-                              int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t ctx,
-                              const uint16_t* probs16, bool prefetch, const c10::BFloat16* next_k,
-                              const int64_t* next_table, int64_t next_blocks, __m512 (&out)[MAX_NH][D / 16]) {
+template <int64_t D, int64_t NH>
+inline void weigh_block_bf16(const c10::BFloat16* value, int64_t token_stride, int64_t count, const uint16_t* probs16,
+                             int64_t p_stride, float* acc) {
   constexpr int64_t C = D / 16;
-  const int64_t stride = ctx + 1;
-  __m512 acc[NH][C];
+  __m512 sum[NH][C];
   for (int64_t j = 0; j < NH; ++j)
-    for (int64_t c = 0; c < C; ++c) acc[j][c] = _mm512_setzero_ps();
-  for (int64_t blk = 0; blk < num_blocks; ++blk) {
-    const int64_t first = blk * block_size, count = std::min(block_size, ctx - first);
-    const c10::BFloat16* value = values + table[blk] * block_stride;
-    if (prefetch && blk < next_blocks) prefetch_l2(next_k + next_table[blk] * block_stride, block_stride);
-    for (int64_t i = 0; i < count; i += 2, value += 2 * token_stride) {
-      const bool single = i + 1 == count;
-      __m512bh pairs[C];
-      pair_rows<D>(value, single ? nullptr : value + token_stride, pairs);
-      for (int64_t j = 0; j < NH; ++j) {
-        const uint16_t* p = probs16 + j * stride + first + i;
-        const __m512bh w = single ? pair_weights(p, true) : pair_at(p);
-        for (int64_t c = 0; c < C; ++c) acc[j][c] = dot_pair(acc[j][c], pairs[c], w);
-      }
+    for (int64_t c = 0; c < C; ++c) sum[j][c] = _mm512_loadu_ps(acc + j * D + 16 * c);
+  for (int64_t i = 0; i < count; i += 2, value += 2 * token_stride) {
+    const bool single = i + 1 == count;
+    __m512bh pairs[C];
+    pair_rows<D>(value, single ? nullptr : value + token_stride, pairs);
+    for (int64_t j = 0; j < NH; ++j) {
+      const uint16_t* p = probs16 + j * p_stride + i;
+      const __m512bh w = single ? pair_weights(p, true) : pair_at(p);
+      for (int64_t c = 0; c < C; ++c) sum[j][c] = dot_pair(sum[j][c], pairs[c], w);
     }
   }
   for (int64_t j = 0; j < NH; ++j)
-    for (int64_t c = 0; c < C; ++c) out[j][c] = acc[j][c];
+    for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(acc + j * D + 16 * c, sum[j][c]);
 }
 
-#endif
-
-#if defined(__AVX512BF16__)
-// The scaled scores of a GQA group's query heads (`q`: the first head's bf16 row, the
-// others D apart; `group` of them) against one sequence's first `ctx` cached tokens, keys
-// in lanes (keys_in_lanes, score_rows): row j of `scores` (`ctx` apart) for head j. Tokens
-// go in groups of up to 16 within a block, four groups scored together so that the R x 4
-// chains of vdpbf16ps keep the units busy; a score's bits do not depend on that grouping.
+// The scaled scores of R query heads (`q`: the first head's bf16 row, the others D apart)
+// against the (up to 4) groups of keys in lanes in `kt`: row r of `scores` (`ctx` apart) for
+// head r, token pos[g] + t at lane t of group g.
 template <int64_t D, int R>
 inline void score_heads(const __m512i* kt, const int64_t* pos, const int64_t* count, int64_t groups,
                         const c10::BFloat16* q, float scale, float* scores, int64_t ctx) {
@@ -182,35 +212,43 @@ inline void score_heads(const __m512i* kt, const int64_t* pos, const int64_t* co
       _mm512_mask_storeu_ps(scores + r * ctx + pos[g], static_cast<__mmask16>((1u << count[g]) - 1), s[g][r]);
 }
 
+// score_sequence for bf16, keys in lanes: up to 4 groups of 16 tokens are gathered, then for
+// each kv head transposed (keys_in_lanes) and scored for the head's GQA group (score_rows).
+// A score's bits depend only on its query row and its token's K row, never on this grouping.
 template <int64_t D>
-inline void score_group_bf16(const c10::BFloat16* q, int64_t group, const c10::BFloat16* keys, const int64_t* table,
-                             int64_t num_blocks, int64_t block_size, int64_t block_stride, int64_t token_stride,
-                             int64_t ctx, float scale, float* scores) {
+inline void score_sequence_bf16(const c10::BFloat16* q, const SequenceBlocks<c10::BFloat16>& blocks,
+                                int64_t num_kv_heads, int64_t group, int64_t block_size, int64_t token_stride,
+                                int64_t ctx, float scale, float* scores) {
   constexpr int64_t P = D / 2;
   alignas(64) __m512i kt[4 * P];
+  const c10::BFloat16* src[4];
   int64_t pos[4], count[4], groups = 0;
   auto flush = [&] {
     for (int64_t g = groups; g < 4; ++g)
       for (int64_t p = 0; p < P; ++p) kt[g * P + p] = _mm512_setzero_si512();
-    for (int64_t h = 0; h < group; h += 4) {
-      const c10::BFloat16* qh = q + h * D;
-      float* rows = scores + h * ctx;
-      switch (std::min<int64_t>(4, group - h)) {
-        case 1: score_heads<D, 1>(kt, pos, count, groups, qh, scale, rows, ctx); break;
-        case 2: score_heads<D, 2>(kt, pos, count, groups, qh, scale, rows, ctx); break;
-        case 3: score_heads<D, 3>(kt, pos, count, groups, qh, scale, rows, ctx); break;
-        default: score_heads<D, 4>(kt, pos, count, groups, qh, scale, rows, ctx);
+    for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+      for (int64_t g = 0; g < groups; ++g) keys_in_lanes<D>(src[g] + kv_head * D, token_stride, count[g], kt + g * P);
+      for (int64_t h = 0; h < group; h += 4) {
+        const int64_t head = kv_head * group + h;
+        const c10::BFloat16* qh = q + head * D;
+        float* rows = scores + head * ctx;
+        switch (std::min<int64_t>(4, group - h)) {
+          case 1: score_heads<D, 1>(kt, pos, count, groups, qh, scale, rows, ctx); break;
+          case 2: score_heads<D, 2>(kt, pos, count, groups, qh, scale, rows, ctx); break;
+          case 3: score_heads<D, 3>(kt, pos, count, groups, qh, scale, rows, ctx); break;
+          default: score_heads<D, 4>(kt, pos, count, groups, qh, scale, rows, ctx);
+        }
       }
     }
     groups = 0;
   };
-  for (int64_t blk = 0; blk < num_blocks; ++blk) {
+  for (int64_t blk = 0; blk < blocks.num_blocks; ++blk) {
     const int64_t first = blk * block_size, tokens = std::min(block_size, ctx - first);
-    const c10::BFloat16* block = keys + table[blk] * block_stride;
+    const c10::BFloat16* block = blocks.key_block(blk);
     for (int64_t i0 = 0; i0 < tokens; i0 += 16) {
+      src[groups] = block + i0 * token_stride;
       pos[groups] = first + i0;
       count[groups] = std::min<int64_t>(16, tokens - i0);
-      keys_in_lanes<D>(block + i0 * token_stride, token_stride, count[groups], kt + groups * P);
       if (++groups == 4) flush();
     }
   }
@@ -218,122 +256,90 @@ inline void score_group_bf16(const c10::BFloat16* q, int64_t group, const c10::B
 }
 #endif
 
-constexpr int64_t kFetchBlocks = 32;  // a sequence's blocks fetched ahead into L2 (bf16 path)
+// Sequences [begin, end): per sequence its scores, their softmax (bf16 pairs: exps rounded
+// to bf16, the sum's reciprocal applied at the end), and the probabilities times V, block by
+// block, into fp32 rows that are rounded to T once at the end.
+template <typename T, int64_t D>
+void decode_range(const Operands<T>& o, float scale, int64_t begin, int64_t end) {
+  constexpr int64_t C = D / 16;                                  // vectors per head row
+  constexpr int64_t PASS = std::min<int64_t>(4, 16 / C);         // heads weighed together: <= 16 accumulators
+#if defined(__AVX512BF16__)
+  constexpr bool kPairedValues = std::is_same_v<T, c10::BFloat16> && D % 32 == 0;
+  constexpr bool kKeysInLanes = std::is_same_v<T, c10::BFloat16>;
+#else
+  constexpr bool kPairedValues = false, kKeysInLanes = false;
+#endif
+  const int64_t num_heads = o.num_heads, group = o.group, block_size = o.block_size, token_stride = o.token_stride;
+  std::vector<float> scores, inv_sums(num_heads), acc(num_heads * D);
+  std::vector<uint16_t> probs16;  // bf16 probabilities, for weigh_block_bf16
+  alignas(64) float row[D];
+  for (int64_t b = begin; b < end; ++b) {
+    const int64_t ctx = o.lens[b];
+    const SequenceBlocks<T> blocks{o.k, o.v, o.tables + b * o.max_blocks, (ctx + block_size - 1) / block_size,
+                                   block_size * token_stride};
+    const T* q = o.q + b * num_heads * D;
+    scores.resize(num_heads * ctx);
+#if defined(__AVX512BF16__)
+    if constexpr (kKeysInLanes)
+      score_sequence_bf16<D>(q, blocks, o.num_kv_heads, group, block_size, token_stride, ctx, scale, scores.data());
+    else
+#endif
+      score_sequence<T, D>(q, blocks, num_heads, group, block_size, token_stride, ctx, scale, scores.data());
+#if defined(__AVX512BF16__)
+    if constexpr (kPairedValues) {
+      probs16.resize(num_heads * (ctx + 1));
+      for (int64_t h = 0; h < num_heads; ++h)
+        inv_sums[h] = exp_row_to_bf16(scores.data() + h * ctx, ctx, probs16.data() + h * (ctx + 1));
+    } else
+#endif
+      softmax_rows(scores.data(), num_heads, ctx, inv_sums);
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t blk = 0; blk < blocks.num_blocks; ++blk) {
+      const int64_t first = blk * block_size, count = std::min(block_size, ctx - first);
+      const T* block = blocks.value_block(blk);
+      for (int64_t kv_head = 0; kv_head < o.num_kv_heads; ++kv_head) {
+        const T* value = block + kv_head * D;
+        for (int64_t h0 = kv_head * group, h_end = h0 + group; h0 < h_end; h0 += PASS) {
+          auto weigh = [&](auto heads) {  // the head count fixed at compile time keeps the sums in registers
+            constexpr int64_t NH = decltype(heads)::value;
+            if constexpr (NH <= PASS) {
+#if defined(__AVX512BF16__)
+              if constexpr (kPairedValues)
+                weigh_block_bf16<D, NH>(value, token_stride, count, probs16.data() + h0 * (ctx + 1) + first, ctx + 1,
+                                        acc.data() + h0 * D);
+              else
+#endif
+                weigh_block<T, D, NH>(value, token_stride, count, scores.data() + h0 * ctx + first, ctx,
+                                      acc.data() + h0 * D);
+            }
+          };
+          switch (std::min(PASS, h_end - h0)) {
+            case 1: weigh(std::integral_constant<int64_t, 1>{}); break;
+            case 2: weigh(std::integral_constant<int64_t, 2>{}); break;
+            case 3: weigh(std::integral_constant<int64_t, 3>{}); break;
+            default: weigh(std::integral_constant<int64_t, PASS>{});
+          }
+        }
+      }
+    }
+    for (int64_t h = 0; h < num_heads; ++h) {
+      T* out = o.out + (b * num_heads + h) * D;
+      const __m512 norm = _mm512_set1_ps(kPairedValues ? inv_sums[h] : 1.f);
+      for (int64_t c = 0; c < C; ++c)
+        _mm512_store_ps(row + 16 * c, kPairedValues ? _mm512_mul_ps(_mm512_loadu_ps(&acc[h * D + 16 * c]), norm)
+                                                    : _mm512_loadu_ps(&acc[h * D + 16 * c]));
+      for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T>(row[d]);
+    }
+  }
+}
 
 template <typename T, int64_t D>
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_tables, const at::Tensor& ctx_lens, double scale,
                       at::Tensor& out) {
-  constexpr int64_t C = D / 16;              // vectors per head row
-  constexpr int64_t HEADS_PER_PASS = 16 / C;  // output rows held in registers while V streams
   const Operands<T> o(q, k_cache, v_cache, block_tables, ctx_lens, out);
-  const int64_t num_seqs = o.num_seqs, num_heads = o.num_heads, num_kv_heads = o.num_kv_heads;
-  const int64_t block_size = o.block_size, group = o.group, max_blocks = o.max_blocks, token_stride = o.token_stride;
-  const int64_t block_stride = block_size * token_stride;
-  const T *q_ptr = o.q, *k_ptr = o.k, *v_ptr = o.v;
-  const int64_t *bt_ptr = o.tables, *len_ptr = o.lens;
-  T* out_ptr = o.out;
   const float fscale = static_cast<float>(scale);
-  using DotT = typename DotFor<T, D>::type;
-#if defined(__AVX512BF16__)
-  constexpr bool kPairedValues = std::is_same_v<T, c10::BFloat16> && D % 32 == 0;
-  constexpr bool kKeysInLanes = std::is_same_v<T, c10::BFloat16>;
-#else
-  constexpr bool kPairedValues = false;
-#endif
-
-  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, inv_sums;
-    std::vector<uint16_t> probs16;  // bf16 probabilities, for weigh_values_bf16
-    alignas(64) float row[D];
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t ctx = len_ptr[b];
-      const int64_t num_blocks = (ctx + block_size - 1) / block_size;
-      const int64_t* table = bt_ptr + b * max_blocks;
-      scores.resize(num_heads * ctx);
-#if defined(__AVX512BF16__)
-      if constexpr (kKeysInLanes) {  // q.k for every (head, token), scaled: keys in lanes
-        // scattered blocks: the next sequence's K and V are fetched into L2 while this one is
-        // computed (the first sequence of the range fetches its own)
-        auto fetch = [&](int64_t seq) {
-          const int64_t* seq_table = bt_ptr + seq * max_blocks;
-          const int64_t blocks = std::min<int64_t>((len_ptr[seq] + block_size - 1) / block_size, kFetchBlocks);
-          for (int64_t blk = 0; blk < blocks; ++blk) {
-            prefetch_l2(k_ptr + seq_table[blk] * block_stride, block_stride);
-            prefetch_l2(v_ptr + seq_table[blk] * block_stride, block_stride);
-          }
-        };
-        if (b == begin) fetch(b);
-        if (b + 1 < end) fetch(b + 1);
-        for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head)
-          score_group_bf16<D>(q_ptr + (b * num_heads + kv_head * group) * D, group, k_ptr + kv_head * D, table,
-                              num_blocks, block_size, block_stride, token_stride, ctx, fscale,
-                              scores.data() + kv_head * group * ctx);
-      } else
-#endif
-      // q.k for every (head, token), scaled
-      for (int64_t blk = 0; blk < num_blocks; ++blk) {
-        const int64_t first = blk * block_size, count = std::min(block_size, ctx - first);
-        const T* block = k_ptr + table[blk] * block_stride;
-        if (blk + 1 < num_blocks) prefetch_row(k_ptr + table[blk + 1] * block_stride, block_stride);
-        prefetch_l2(v_ptr + table[blk] * block_stride, block_stride);
-        for (int64_t h = 0; h < num_heads; ++h) {
-          const DotT dot(q_ptr + (b * num_heads + h) * D);
-          const T* key = block + (h / group) * D;
-          for (int64_t i0 = 0; i0 < count; i0 += 16)
-            score16(dot, key + i0 * token_stride, token_stride, std::min<int64_t>(16, count - i0), fscale,
-                    scores.data() + h * ctx + first + i0);
-        }
-      }
-#if defined(__AVX512BF16__)
-      if constexpr (kPairedValues) {  // bf16 exps; the weighted sums are scaled by 1/sum below
-        inv_sums.resize(num_heads);
-        probs16.resize(num_heads * (ctx + 1));
-        for (int64_t h = 0; h < num_heads; ++h)
-          inv_sums[h] = exp_row_to_bf16(scores.data() + h * ctx, ctx, probs16.data() + h * (ctx + 1));
-      } else
-#endif
-        softmax_rows(scores.data(), num_heads, ctx, inv_sums);
-      // probabilities times V: per kv head, passes of up to HEADS_PER_PASS heads of its group
-      for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
-        for (int64_t hs = 0; hs < group; hs += HEADS_PER_PASS) {
-          const int64_t h0 = kv_head * group + hs, nh = std::min(HEADS_PER_PASS, group - hs);
-          __m512 acc[HEADS_PER_PASS][C];
-          const float* probs = scores.data() + h0 * ctx;
-          const T* values = v_ptr + kv_head * D;
-          const bool prefetch = kv_head == 0 && hs == 0 && b + 1 < end;
-          const int64_t* next_table = bt_ptr + std::min(b + 1, num_seqs - 1) * max_blocks;
-          const int64_t next_blocks = (len_ptr[std::min(b + 1, num_seqs - 1)] + block_size - 1) / block_size;
-          auto weigh = [&](auto heads) {  // the head count fixed at compile time keeps acc in registers
-            if constexpr (decltype(heads)::value <= HEADS_PER_PASS) {  // nh never exceeds it
-#if defined(__AVX512BF16__)
-              if constexpr (kPairedValues)
-                weigh_values_bf16<D, decltype(heads)::value, HEADS_PER_PASS>(
-                    values, table, num_blocks, block_size, block_stride, token_stride, ctx,
-                    probs16.data() + h0 * (ctx + 1), prefetch, k_ptr, next_table, next_blocks, acc);
-              else
-#endif
-                weigh_values<T, D, decltype(heads)::value, HEADS_PER_PASS>(
-                    values, table, num_blocks, block_size, block_stride, token_stride, ctx, probs, prefetch, k_ptr,
-                    next_table, next_blocks, acc);
-            }
-          };
-          switch (nh) {
-            case 1: weigh(std::integral_constant<int64_t, 1>{}); break;
-            case 2: weigh(std::integral_constant<int64_t, 2>{}); break;
-            case 3: weigh(std::integral_constant<int64_t, 3>{}); break;
-            default: weigh(std::integral_constant<int64_t, HEADS_PER_PASS>{});
-          }
-          for (int64_t j = 0; j < nh; ++j) {
-            T* o = out_ptr + (b * num_heads + h0 + j) * D;
-            const __m512 norm = _mm512_set1_ps(kPairedValues ? inv_sums[h0 + j] : 1.f);
-            for (int64_t c = 0; c < C; ++c) _mm512_store_ps(row + 16 * c, kPairedValues ? _mm512_mul_ps(acc[j][c], norm) : acc[j][c]);
-            for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(row[d]);
-          }
-        }
-      }
-    }
-  });
+  at::parallel_for(0, o.num_seqs, 1, [&](int64_t begin, int64_t end) { decode_range<T, D>(o, fscale, begin, end); });
 }
 
 }  // namespace fast

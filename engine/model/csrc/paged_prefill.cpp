@@ -54,7 +54,7 @@ using namespace pdserve_attention::simd;
 #if defined(__AVX512BF16__)
 // R rows (row_of[k] + h0: query i's head h0 + j at i * num_heads + j) that each take the
 // first `count` tokens of the block weighed into their accumulators (`acc`, [query][head][D]),
-// pair by pair as weigh_values_bf16 does; `full`/`single`: the block's V pairs (weigh_block_bf16).
+// pair by pair as the decode kernel's weigh_block_bf16 does; `full`/`single`: the span's V pairs (weigh_span_bf16).
 template <int64_t D, int64_t R>
 inline void weigh_rows(int64_t count, const std::vector<uint16_t>& full, const std::vector<uint16_t>& single,
                        const uint16_t* probs16, int64_t p_stride, int64_t first, const int64_t* row_of, int64_t h0,
@@ -87,7 +87,7 @@ inline void weigh_rows(int64_t count, const std::vector<uint16_t>& full, const s
 // A span of V (the tokens of `nblocks` consecutive blocks of one kv head, `values[b]` the
 // first token's row of block b; several blocks only where block_size is even, so no pair
 // crosses a block) weighed into the accumulators (`acc`, [query][head][D] fp32) of every
-// query of a tile that attends to it, pair by pair as the decode kernel's weigh_values_bf16
+// query of a tile that attends to it, pair by pair as the decode kernel's weigh_block_bf16
 // does: tokens (t, t+1) of a block per vdpbf16ps, a query's odd last token against a zero
 // row. Query i's context is `ctx0 + i`; the span starts at position `first`, and the tile's
 // last query attends to `span_tokens` of its tokens. The pairs are made once per span for
