@@ -32,7 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.report import panels, write  # noqa: E402
+from benchmarks.report import grouped_bars, panels, write  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
 LAYOUTS = ("contiguous", "scattered", "in_cache")
@@ -102,16 +102,9 @@ def main() -> None:
 
 
 def plot(result: dict, path: Path) -> None:
-    runs = result["runs"]
     with panels(path, 1, width=8) as (ax,):
-        names = list(next(iter(runs.values()))["gb_s"])
-        for i, name in enumerate(names):
-            ax.bar([j + i * 0.2 for j in range(len(runs))], [r["gb_s"][name] for r in runs.values()], width=0.2,
-                   label=name)
-        ax.set_xticks([j + 0.3 for j in range(len(runs))], list(runs))
+        grouped_bars(ax, {key: run["gb_s"] for key, run in result["runs"].items()})
         ax.set_ylabel("GB/s of KV attended (all 30 layers)")
-        ax.legend()
-
 
 if __name__ == "__main__":
     main()

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.report import panels, write  # noqa: E402
+from benchmarks.report import grouped_bars, panels, write  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
@@ -106,16 +106,9 @@ def main() -> None:
 
 
 def plot(result: dict, path: Path) -> None:
-    runs = result["runs"]
     with panels(path, 1, width=9) as (ax,):
-        names = list(next(iter(runs.values()))["seconds"])
-        for i, name in enumerate(names):
-            ax.bar([j + i * 0.12 for j in range(len(runs))], [r["speedup_over_per_token"][name] for r in runs.values()],
-                   width=0.12, label=name)
-        ax.set_xticks(range(len(runs)), list(runs), rotation=30)
+        grouped_bars(ax, {key: run["speedup_over_per_token"] for key, run in result["runs"].items()}, rotation=30)
         ax.set_ylabel("x per-token kernel (one layer's prefill attention)")
-        ax.legend()
-
 
 if __name__ == "__main__":
     main()

@@ -48,3 +48,16 @@ def panels(path: Path, count: int = 1, width: float = 5.0, height: float = 4.0):
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def grouped_bars(ax, groups: dict[str, dict[str, float]], rotation: float = 0, fontsize: float | None = None) -> None:
+    """One bar per series in every group, side by side (`groups[group][series]` = height),
+    the groups' names under them, and a legend of the series."""
+    series = list(next(iter(groups.values())))
+    width = 0.8 / len(series)
+    for i, name in enumerate(series):
+        ax.bar([j + i * width for j in range(len(groups))], [g[name] for g in groups.values()], width=width,
+               label=name)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))], list(groups), rotation=rotation,
+                  fontsize=fontsize)
+    ax.legend()

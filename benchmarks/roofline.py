@@ -259,7 +259,7 @@ def cpu_flags() -> list[str]:
 
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from benchmarks.report import panels, write
+    from benchmarks.report import grouped_bars, panels, write
     from pdserve.engine import LLM
 
     parser = argparse.ArgumentParser(description="attainable floor per step shape, and the fraction reached")
@@ -310,14 +310,10 @@ def main() -> None:
 
     def plot(res: dict, path: Path) -> None:
         with panels(path, 1, width=10) as (ax,):
-            shapes = list(res["shapes"])
-            for i, part in enumerate(("step", "linear", "attention")):
-                ax.bar([j + i * 0.27 for j in range(len(shapes))],
-                       [res["shapes"][s]["fraction_of_floor"][part] for s in shapes], width=0.27, label=part)
+            grouped_bars(ax, {key: shape["fraction_of_floor"] for key, shape in res["shapes"].items()}, rotation=35,
+                         fontsize=7)
             ax.axhline(0.7, color="grey", linestyle="--", linewidth=0.8)
-            ax.set_xticks(range(len(shapes)), shapes, rotation=35, fontsize=7)
             ax.set_ylabel("fraction of the attainable floor")
-            ax.legend()
 
     write(result, args.out, plot)
 
