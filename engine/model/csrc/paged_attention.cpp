@@ -83,9 +83,9 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
 //    (all kv heads' rows of its tokens: one contiguous run) is read in one visit
 //    (SequenceBlocks): its lines are touched in ascending order first (touch_in_order) and
 //    the walk's next block is fetched into L2, so that the reads run under the arithmetic.
-//    Taking one kv head at a time through every block, as this kernel once did, jumps
-//    through each block in strides of a token's row, which the hardware prefetcher does not
-//    follow: memory then waited on the arithmetic and the arithmetic on memory.
+//    Taking one kv head at a time through every block instead jumps through each block in
+//    strides of a token's row, which the hardware prefetcher does not follow: memory then
+//    waits on the arithmetic and the arithmetic on memory.
 //  - Scores in bf16 with avx512_bf16: keys in lanes (score_sequence_bf16): each group of up
 //    to 16 cached tokens of a kv head is transposed once into bf16 pairs, and every score of
 //    the group's query heads is one chain of vdpbf16ps with the query's pair broadcast, four
