@@ -40,7 +40,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("rows", [2, 3, 9, 17, 64])
+@pytest.mark.parametrize("rows", [2, 3, 9, 17, 64, 65, 130])
 def test_rows_get_onednns_bits(shape, rows):
     gen = torch.Generator().manual_seed(rows)
     weight = (torch.randn(*shape, generator=gen) * 0.05).bfloat16()
