@@ -1,15 +1,18 @@
-"""bf16 linear layers on the CPU, side by side in one run: oneDNN's product on its packed
-weight (`torch.ops.mkldnn`, what engine.model.linear ran before) and the engine's kernel on a
-PanelWeight (csrc/linear_bf16.cpp), over one forward's products of SmolLM2-135M's shapes
+"""Linear layers on the CPU (bf16, or fp32 with `--dtype float32`), side by side in one run:
+oneDNN's product on its packed weight (`torch.ops.mkldnn`, what engine.model.linear ran
+before) and the engine's kernel on a PanelWeight (csrc/panel_linear.cpp), over one forward's
+products of SmolLM2-135M's shapes
 (30 layers of qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536, then the LM head
 49152x576), every layer its own random weights, so that they stream from memory as a real
-model's do (~270 MB; one layer's would sit in the L3 cache).
+model's do (~270 MB in bf16; one layer's would sit in the L3 cache).
 
 For each row count: the median of `--repeats` forwards per method, interleaved, the weight
 bandwidth that time implies, the FLOP rate, and whether the two gave the same bits.
 JSON (+ PNG).
 
-    .venv/bin/python benchmarks/linear_bf16.py [--rows 1,2,4,8,16,32,64,128,512,2048]
+    .venv/bin/python benchmarks/linear_bf16.py [--rows 1,2,4,8,16,32,64,128,512,2048] [--dtype float32]
+
+Writes benchmarks/results/linear_bf16.json (fp32: linear_float32.json).
 """
 
 from __future__ import annotations
@@ -32,10 +35,10 @@ LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) o
 HEAD_SHAPE = (49152, 576)
 
 
-def model_weights(layers: int, seed: int = 0) -> list[torch.Tensor]:
+def model_weights(layers: int, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     shapes = LAYER_SHAPES * layers + [HEAD_SHAPE]
-    return [(torch.randn(*shape, generator=gen) * 0.05).bfloat16() for shape in shapes]
+    return [(torch.randn(*shape, generator=gen) * 0.05).to(dtype) for shape in shapes]
 
 
 def methods(weights: list[torch.Tensor]) -> dict:
@@ -45,7 +48,8 @@ def methods(weights: list[torch.Tensor]) -> dict:
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
     panel = [pack(w) for w in weights]
     if not all(isinstance(p, PanelWeight) for p in panel):
-        raise SystemExit("bf16 weights are not PanelWeights here (no avx512_bf16, AMX, or no kernels)")
+        raise SystemExit(f"{weights[0].dtype} weights are not PanelWeights here (no AVX-512 / avx512_bf16, AMX, "
+                         "or no kernels)")
 
     def mkldnn(x, w):
         rows = x if x.shape[0] > 1 else x.expand(2, -1).contiguous()  # its 1-row path rounds otherwise
@@ -64,18 +68,24 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,4,8,16,32,64,128,512,2048")
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "linear_bf16.json")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default benchmarks/results/linear_bf16.json (fp32: linear_float32.json)")
     args = parser.parse_args()
-    weights = model_weights(args.layers)
+    dtype = getattr(torch, args.dtype)
+    out = args.out or ROOT / "benchmarks" / "results" / ("linear_bf16.json" if args.dtype == "bfloat16"
+                                                           else "linear_float32.json")
+    weights = model_weights(args.layers, dtype=dtype)
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
     flops_per_row = 2 * sum(w.numel() for w in weights)
     compared = {name: ([(p, w.shape[1]) for p, w in zip(packed, weights, strict=True)], product)
                 for name, (packed, product) in methods(weights).items()}
-    result = {"setup": {"cores": os.cpu_count(), "threads": torch.get_num_threads(), "load_average": os.getloadavg(),
+    result = {"setup": {"dtype": args.dtype, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+                        "load_average": os.getloadavg(),
                         "layers": args.layers, "weight_bytes": weight_bytes, "repeats": args.repeats}, "runs": {}}
     for rows in (int(n) for n in args.rows.split(",")):
         gen = torch.Generator().manual_seed(rows)
-        inputs = {k: torch.randn(rows, k, generator=gen).bfloat16() for k in (576, 1536)}
+        inputs = {k: torch.randn(rows, k, generator=gen).to(dtype) for k in (576, 1536)}
         outputs = {name: forward(w, product, inputs) for name, (w, product) in compared.items()}  # also warms up
         same = all(torch.equal(a, b) for a, b in zip(outputs["onednn"], outputs["kernel"], strict=True)) if rows > 1 \
             else None  # oneDNN's 1-row figure is its 2-row product's
@@ -92,7 +102,7 @@ def main() -> None:
             "gflop_s": {n: rows * flops_per_row / s / 1e9 for n, s in medians.items()}}
         print(rows, {n: round(s * 1e3, 2) for n, s in medians.items()}, "ms",
               f"speedup {medians['onednn'] / medians['kernel']:.2f}", "same bits" if same else "", flush=True)
-    write(result, args.out, plot)
+    write(result, out, plot)
 
 
 def plot(result: dict, path: Path) -> None:
@@ -108,7 +118,7 @@ def plot(result: dict, path: Path) -> None:
             ax.legend()
         ax1.set_yscale("log")
         ax1.set_ylabel("ms per forward's products")
-        ax1.set_title("SmolLM2-135M's bf16 products")
+        ax1.set_title(f"SmolLM2-135M's {result['setup'].get('dtype', 'bfloat16')} products")
         ax2.set_ylabel("weight GB/s")
 
 

@@ -1,6 +1,6 @@
 """The CPU kernels (csrc/): paged decode and prefill attention, the fused token-wise ops of a layer
-(RMSNorm with the residual add, SwiGLU's silu-times-up, RoPE) and, with avx512_bf16, the bf16
-linear layers (engine.model.linear), compiled on first use.
+(RMSNorm with the residual add, SwiGLU's silu-times-up, RoPE) and, with AVX-512, the linear
+layers on panel-packed weights (engine.model.linear), compiled on first use.
 
 Compiled on the machine that runs it (so `-march=native` is safe) into the pdserve cache and
 reused afterwards. The build directory is keyed by everything the binary depends on: the
@@ -26,7 +26,7 @@ from pdserve.engine.cpu import first_cpu_info
 
 logger = logging.getLogger(__name__)
 _SOURCES = tuple(Path(__file__).parent / "csrc" / name
-                 for name in ("paged_attention.cpp", "paged_prefill.cpp", "fused_ops.cpp", "linear_bf16.cpp",
+                 for name in ("paged_attention.cpp", "paged_prefill.cpp", "fused_ops.cpp", "panel_linear.cpp",
                               "bindings.cpp"))
 _HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("attention_common.h",))  # copied, not compiled
 _CFLAGS = ("-O3", "-ffast-math", "-march=native", "-fopenmp")

@@ -1,20 +1,20 @@
-"""Linear layers, with weights pre-packed on the CPU: bf16 for the engine's own kernel where the
-CPU has avx512_bf16 (and no AMX), otherwise (and fp32) for oneDNN.
+"""Linear layers, with weights pre-packed on the CPU: into panels for the engine's own kernel
+where the CPU has AVX-512 (avx512_bf16 for bf16) and no AMX, otherwise for oneDNN.
 
-bf16 with avx512_bf16: `linear_bf16` (csrc/linear_bf16.cpp) on a `PanelWeight`. It gives
-oneDNN's bits (the same summation order, which it documents) at every row count, so a
-worker that cannot build the kernels computes what one that can does, and it streams the
-weights faster at decode's few rows (benchmarks/linear_bf16.py compares the two).
-bf16 through oneDNN: `F.linear` on bf16 CPU tensors reorders the weight into oneDNN's blocked layout on
-every call; packing it once at load (`torch.ops.mkldnn._reorder_linear_weight`, what
-inductor's CPU backend does) makes the small-batch products of decode steps 1.4-2.2x faster
-(measured at 1-64 rows on SmolLM2's shapes) with bit-identical results.
-fp32: `F.linear` goes to MKL, which on an AMD EPYC (Zen 5, measured) runs a 2048^3 product
-at 165 GFLOP/s where oneDNN's packed kernel runs 416, and SmolLM2's decode-step shapes
-2.5-4x faster at 64 rows. The results differ from MKL's in the last bits (a different
-summation order): fp32 stays token-identical to Hugging Face in the parity tests, not
-bit-identical. A row's bits must not depend on how many rows share the product (batch
-invariance): MKL's differ below 8 rows, oneDNN's only at 1 row, which `linear` avoids.
+With AVX-512: `panel_linear` (csrc/panel_linear.cpp) on a `PanelWeight`, in bf16 and fp32.
+It gives oneDNN's bits (the same summation order, which it documents) at every row count,
+so a worker that cannot build the kernels computes what one that can does, and it streams
+the weights faster at decode's few rows (benchmarks/linear_bf16.py compares the two).
+Through oneDNN: `F.linear` on bf16 CPU tensors reorders the weight into oneDNN's blocked
+layout on every call; packing it once at load (`torch.ops.mkldnn._reorder_linear_weight`,
+what inductor's CPU backend does) makes the small-batch products of decode steps 1.4-2.2x
+faster (measured at 1-64 rows on SmolLM2's shapes) with bit-identical results. fp32
+`F.linear` goes to MKL, which on an AMD EPYC (Zen 5, measured) runs a 2048^3 product at 165
+GFLOP/s where oneDNN's packed kernel runs 416, and SmolLM2's decode-step shapes 2.5-4x
+faster at 64 rows. The results differ from MKL's in the last bits (a different summation
+order): fp32 stays token-identical to Hugging Face in the parity tests, not bit-identical.
+A row's bits must not depend on how many rows share the product (batch invariance): MKL's
+differ below 8 rows, oneDNN's only at 1 row, which `linear` avoids.
 On a CPU with AMX (an Intel Xeon with amx_bf16, measured), oneDNN's bf16 products take
 other kernels past 32 rows, and these differ from the small-row one, and among
 themselves by row count (33 vs 40 rows, 64 vs 512), in the last bits of real activations;
@@ -54,8 +54,8 @@ _CHUNK_BF16_ROWS = cpu_has_amx()
 
 @dataclass(frozen=True)
 class PanelWeight:
-    """A bf16 weight `[out_features, in_features]` in the panels of the CPU kernel's
-    `linear_bf16` (`pack_linear_bf16`: out_features padded to a multiple of 48)."""
+    """A bf16 or fp32 weight `[out_features, in_features]` in the panels of the CPU kernel's
+    `panel_linear` (`pack_panels`: out_features padded to a multiple of 48)."""
 
     panels: torch.Tensor
     out_features: int
@@ -70,13 +70,16 @@ class PanelWeight:
 
 
 def _panel_kernels(weight: torch.Tensor):
-    """The CPU kernels when `weight` can be a PanelWeight here (a bf16 CPU matrix with an even
-    number of input features, on a CPU with avx512_bf16 and without AMX, whose oneDNN
-    products `linear` keeps), else None."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[1] % 2:
+    """The CPU kernels when `weight` can be a PanelWeight here (a CPU matrix in a dtype this
+    build's `panel_linear` runs, bf16 with an even number of input features, on a CPU without
+    AMX, whose oneDNN products `linear` keeps), else None."""
+    if weight.device.type != "cpu" or weight.dim() != 2 or _CHUNK_BF16_ROWS:
         return None
-    kernels = None if _CHUNK_BF16_ROWS else cpu_kernels()
-    return kernels if kernels is not None and kernels.has_linear_bf16 else None
+    if weight.dtype == torch.bfloat16 and weight.shape[1] % 2:
+        return None
+    kernels = cpu_kernels()
+    dtype = str(weight.dtype).removeprefix("torch.")
+    return kernels if kernels is not None and dtype in kernels.panel_linear_dtypes else None
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -89,7 +92,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor | PanelWeight:
     """`weight` `[out, in]` in the layout `linear` runs fastest with here (itself if none)."""
     kernels = _panel_kernels(weight)
     if kernels is not None:
-        return PanelWeight(kernels.pack_linear_bf16(weight), weight.shape[0], weight.shape[1])
+        return PanelWeight(kernels.pack_panels(weight), weight.shape[0], weight.shape[1])
     if not can_pack(weight):
         return weight
     try:
@@ -102,7 +105,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor | PanelWeight:
 def linear(x: torch.Tensor, weight: torch.Tensor | PanelWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight.T + bias` for a plain or packed weight.
 
-    A PanelWeight runs the CPU kernel's `linear_bf16`, whose rows never depend on each other.
+    A PanelWeight runs the CPU kernel's `panel_linear`, whose rows never depend on each other.
 
     A packed product of one row is run as two (the row twice): oneDNN takes another path for
     a single row, whose results differ in the last bits from the same row among others
@@ -112,7 +115,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PanelWeight, bias: torch.Tens
     than AMX_INVARIANT_ROWS rows runs in blocks of that many (see the module docstring)."""
     if isinstance(weight, PanelWeight):
         rows = x.reshape(-1, weight.in_features)
-        out = cpu_kernels().linear_bf16(rows, weight.panels, weight.out_features, bias)
+        out = cpu_kernels().panel_linear(rows, weight.panels, weight.out_features, bias)
         return out.view(*x.shape[:-1], weight.out_features)
     if weight.layout == torch._mkldnn:
         if _CHUNK_BF16_ROWS and x.dim() == 2 and x.shape[0] > AMX_INVARIANT_ROWS and x.dtype == torch.bfloat16:

@@ -1,7 +1,8 @@
 """A linear layer gives a row the same bits however many rows share the product.
 
 This is what batch invariance rests on: a request decoding alone runs its linear layers on
-one row, the same request in a batch on many. On a CPU with avx512_bf16 and no AMX (an AMD
+one row, the same request in a batch on many. (The products here are the engine's: the CPU
+kernel's on panels where it is built, else oneDNN's.) On a CPU with avx512_bf16 and no AMX (an AMD
 EPYC), oneDNN's one-row path rounded SmolLM2's down projection differently from the same
 row among others, for real activations (random ones did not show it), and a greedy request
 alone drifted from the same request batched after 7 tokens. The activations here are the
@@ -54,18 +55,19 @@ def test_a_row_gets_the_same_bits_alone_and_among_others(smollm2_dir, dtype):
     assert not mismatched, f"{len(mismatched)} (call, weight, rows) differing from the row alone: {mismatched[:5]}"
 
 
-def test_the_cpu_kernels_products_give_onednns_bits_on_real_activations(smollm2_dir):
-    """Where bf16 weights are PanelWeights (avx512_bf16, no AMX), every product of a real
-    prefill and decode gives the bits oneDNN's packed product gives the same rows (at 2 rows
-    or more, its path for one row rounds otherwise): a worker without the kernels computes
-    what one with them does."""
-    llm = LLM(str(smollm2_dir), max_model_len=128, dtype="bfloat16")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_cpu_kernels_products_give_onednns_bits_on_real_activations(smollm2_dir, dtype):
+    """Where weights are PanelWeights (AVX-512, and avx512_bf16 for bf16; no AMX), every
+    product of a real prefill and decode gives the bits oneDNN's packed product gives the same
+    rows (at 2 rows or more, its path for one row rounds otherwise): a worker without the
+    kernels computes what one with them does."""
+    llm = LLM(str(smollm2_dir), max_model_len=128, dtype=dtype)
     captured = [c for c in capture_products(llm) if isinstance(c[1], PanelWeight)]
     if not captured:
-        pytest.skip("bf16 weights are not PanelWeights on this CPU")
+        pytest.skip(f"{dtype} weights are not PanelWeights on this CPU")
     mismatched = []
     for index, (x, weight, bias) in enumerate(captured):
-        panels = weight.panels  # [panels, in / 2, 48, 2] back to [out, in]
+        panels = weight.panels  # [panels, in / u, 48, u] back to [out, in]
         plain = panels.transpose(1, 2).reshape(-1, weight.in_features)[:weight.out_features].contiguous()
         rows = x if x.shape[0] >= 2 else torch.cat([x, x])
         expected = torch.ops.mkldnn._linear_pointwise(rows, torch.ops.mkldnn._reorder_linear_weight(plain), bias,

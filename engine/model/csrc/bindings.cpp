@@ -1,8 +1,10 @@
 // The Python module of the CPU kernels: paged decode and prefill attention, the fused token-wise ops and
-// (with avx512_bf16) bf16 linear layers.
+// linear layers on panel-packed weights (with AVX-512: fp32, and bf16 with avx512_bf16).
 #include <torch/extension.h>
 
+#include <string>
 #include <tuple>
+#include <vector>
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor ctx_lens, double scale);
@@ -11,8 +13,9 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
 torch::Tensor add_rms_norm(torch::Tensor hidden, c10::optional<torch::Tensor> delta, torch::Tensor weight,
                            double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
-torch::Tensor pack_linear_bf16(torch::Tensor weight);
-torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_features, c10::optional<torch::Tensor> bias);
+std::vector<std::string> panel_linear_dtypes();
+torch::Tensor pack_panels(torch::Tensor weight);
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features, c10::optional<torch::Tensor> bias);
 std::tuple<torch::Tensor, torch::Tensor> rope(torch::Tensor qk, torch::Tensor positions, torch::Tensor cos,
                                               torch::Tensor sin, int64_t num_q_heads);
 
@@ -29,13 +32,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.def("add_rms_norm", &add_rms_norm, "hidden += delta (if given) in place, then RMSNorm(hidden)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [rows, 2I] gate and up side by side");
-#if defined(__AVX512BF16__)
-  m.attr("has_linear_bf16") = true;  // linear_bf16 runs here
-#else
-  m.attr("has_linear_bf16") = false;
-#endif
-  m.def("pack_linear_bf16", &pack_linear_bf16, "a [out, in] bf16 weight in linear_bf16's panels");
-  m.def("linear_bf16", &linear_bf16, "x @ W^T (+ bias) in bf16 on a packed weight; a row's bits never depend on the rows "
+  m.attr("panel_linear_dtypes") = panel_linear_dtypes();  // the dtypes panel_linear runs in here
+  m.def("pack_panels", &pack_panels, "a [out, in] weight in panel_linear's panels");
+  m.def("panel_linear", &panel_linear, "x @ W^T (+ bias) on a packed weight; a row's bits never depend on the rows "
         "beside it");
   m.def("rope", &rope, "rotate-half RoPE of the q and k heads of a strided qk view; returns q, k");
 }

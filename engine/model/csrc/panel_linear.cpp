@@ -1,0 +1,263 @@
+// Linear layers on the CPU with AVX-512, on weights packed into panels: y = x @ W^T (+ bias),
+// fp32 accumulation, in bf16 (with avx512_bf16) or fp32.
+//
+// The weight is packed once at load into panels of 48 output features (three vectors of 16).
+// A panel's k-th row holds the 48 features' weights for input unit k side by side: a pair of
+// inputs (k, k+1) in bf16 (two bf16 per lane, for vdpbf16ps), one input in fp32. Either way a
+// row is 192 contiguous bytes and the whole panel is one stream. A tile of up to 8 rows of x
+// times one panel keeps its 24 accumulators in registers: each unit loads the panel's three
+// vectors once and feeds them to every row (vdpbf16ps or an FMA, with the row's unit broadcast).
+//
+// Decode's products (up to 64 rows) read each panel from memory once for all their tiles: the
+// panel is walked a chunk of 32 units (6 KB) at a time, every tile taking the chunk in turn
+// while it sits in L1, its sums stored between chunks (fp32, so storing them changes nothing),
+// and the first tile fetches the next chunk into L2 as it goes. Tile by tile instead, the
+// first tile waited on memory and the others computed from cache after it, so the read and
+// the arithmetic added up rather than overlapping (benchmarks/README.md). Larger products,
+// compute-bound, take their tiles one at a time through the whole panel, which stays in L2.
+//
+// The summation order is fixed by the weight alone, never by the number of rows: each output
+// sums its products unit by unit, in order, within blocks of block_of(K) input features (512
+// when K <= 1024, else 1024), and adds the block sums in order. So a row's bits do not depend on
+// how many rows share the product (batch invariance), and they are the bits oneDNN's product
+// (torch.ops.mkldnn._linear_pointwise on a packed weight, at 2 rows or more) gives in either
+// dtype on AVX-512 without AMX, whose brgemm kernels block K the same way (measured on an AMD
+// EPYC, Zen 5, torch 2.13's oneDNN; tests/unit/test_panel_linear.py holds it).
+//
+// Why not oneDNN: decode-sized products (few rows) stream the weights faster this way; the
+// two are compared side by side in benchmarks/linear_bf16.py.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include <string>
+#include <vector>
+
+namespace {
+constexpr int64_t kLanes = 16;              // outputs per vector
+constexpr int64_t kPanelVectors = 3;        // vectors per panel
+constexpr int64_t kPanel = kLanes * kPanelVectors;  // outputs per panel
+}  // namespace
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+namespace {
+
+constexpr int kTileRows = 8;                // rows of x per tile: 8 x 3 accumulators
+constexpr int kBlockTiles = 8;              // products of up to this many tiles share each chunk of a panel
+constexpr int64_t kChunkUnits = 32;         // units per chunk (6 KB of a panel); also how far ahead it is fetched
+
+int64_t block_of(int64_t in_features) { return in_features <= 1024 ? 512 : 1024; }
+
+#if defined(__AVX512BF16__)
+// bf16: a unit is a pair of inputs, multiplied as they are by vdpbf16ps (exact products, fp32
+// sums); outputs rounded to bf16.
+struct Bf16 {
+  using Elem = uint16_t;
+  using Unit = __m512bh;
+  static constexpr int64_t kInputs = 2;
+  static Unit weights(const Elem* w) { return (__m512bh)_mm512_loadu_si512(w); }
+  static Unit broadcast(const Elem* x) { return (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x)); }
+  static __m512 madd(__m512 acc, Unit w, Unit x) { return _mm512_dpbf16_ps(acc, w, x); }
+  static void store(Elem* y, __mmask16 mask, __m512 sum) {
+    _mm256_mask_storeu_epi16(y, mask, (__m256i)_mm512_cvtneps_pbh(sum));
+  }
+};
+#endif
+
+// fp32: a unit is one input, one FMA per product.
+struct Fp32 {
+  using Elem = float;
+  using Unit = __m512;
+  static constexpr int64_t kInputs = 1;
+  static Unit weights(const Elem* w) { return _mm512_loadu_ps(w); }
+  static Unit broadcast(const Elem* x) { return _mm512_set1_ps(*x); }
+  static __m512 madd(__m512 acc, Unit w, Unit x) { return _mm512_fmadd_ps(w, x, acc); }
+  static void store(Elem* y, __mmask16 mask, __m512 sum) { _mm512_mask_storeu_ps(y, mask, sum); }
+};
+
+// A tile's sums ([row][vector][lane], fp32) between chunks: the current K block's so far, and
+// the finished blocks' total, added in order.
+struct TileSums {
+  alignas(64) float block[kTileRows][kPanelVectors][kLanes];
+  alignas(64) float total[kTileRows][kPanelVectors][kLanes];
+};
+
+// Rows [0, R) of x (rows `ldx` apart) times units [c0, c1) of the panel at `w` (its first `J`
+// vectors used), continuing the tile's block sums (`first`: [c0, c1) opens a K block; `last`:
+// it closes one, whose sums then go into the total, started by `first_block`). `prefetch`:
+// fetch the panel kChunkUnits ahead into L2 on the way.
+template <typename E, int R, int J>
+void tile_chunk(const typename E::Elem* x, int64_t ldx, const typename E::Elem* w, int64_t c0, int64_t c1, bool first,
+                bool last, bool first_block, bool prefetch, TileSums& sums) {
+  constexpr int64_t row_stride = kPanel * E::kInputs;  // elements per unit row of the panel
+  constexpr int64_t vector_stride = kLanes * E::kInputs;
+  __m512 acc[R][J];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < J; ++j) acc[r][j] = first ? _mm512_setzero_ps() : _mm512_load_ps(sums.block[r][j]);
+  for (int64_t k = c0; k < c1; ++k) {
+    const typename E::Elem* row = w + k * row_stride;
+    if (prefetch)
+      for (int j = 0; j < J; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(row + kChunkUnits * row_stride + j * vector_stride), _MM_HINT_T1);
+    typename E::Unit wv[J];
+    for (int j = 0; j < J; ++j) wv[j] = E::weights(row + j * vector_stride);
+    for (int r = 0; r < R; ++r) {
+      const typename E::Unit xb = E::broadcast(x + r * ldx + E::kInputs * k);
+      for (int j = 0; j < J; ++j) acc[r][j] = E::madd(acc[r][j], wv[j], xb);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < J; ++j) {
+      if (!last) _mm512_store_ps(sums.block[r][j], acc[r][j]);
+      else if (first_block) _mm512_store_ps(sums.total[r][j], acc[r][j]);
+      else _mm512_store_ps(sums.total[r][j], _mm512_add_ps(_mm512_load_ps(sums.total[r][j]), acc[r][j]));
+    }
+}
+
+template <typename E, int J>
+void tile_chunk_rows(int rows, const typename E::Elem* x, int64_t ldx, const typename E::Elem* w, int64_t c0,
+                     int64_t c1, bool first, bool last, bool first_block, bool prefetch, TileSums& sums) {
+  switch (rows) {
+    case 1: return tile_chunk<E, 1, J>(x, ldx, w, c0, c1, first, last, first_block, prefetch, sums);
+    case 2: return tile_chunk<E, 2, J>(x, ldx, w, c0, c1, first, last, first_block, prefetch, sums);
+    case 3: return tile_chunk<E, 3, J>(x, ldx, w, c0, c1, first, last, first_block, prefetch, sums);
+    case 4: return tile_chunk<E, 4, J>(x, ldx, w, c0, c1, first, last, first_block, prefetch, sums);
+    case 5: return tile_chunk<E, 5, J>(x, ldx, w, c0, c1, first, last, first_block, prefetch, sums);
+    case 6: return tile_chunk<E, 6, J>(x, ldx, w, c0, c1, first, last, first_block, prefetch, sums);
+    case 7: return tile_chunk<E, 7, J>(x, ldx, w, c0, c1, first, last, first_block, prefetch, sums);
+    default: return tile_chunk<E, kTileRows, J>(x, ldx, w, c0, c1, first, last, first_block, prefetch, sums);
+  }
+}
+
+// `rows` rows of x (at most kBlockTiles tiles, rows `K` apart) times the panel at `w`, outputs
+// n0.. (of `N`; the last panel's beyond N not stored) into rows of y `N` apart, plus `bias`
+// (fp32, or null) before rounding. The panel is walked `chunk` units at a time, every tile
+// taking each chunk in turn (so a chunk of a K block's length or more: tile after tile).
+template <typename E, int J>
+void row_block(int rows, const typename E::Elem* x, int64_t K, const typename E::Elem* w, int64_t units,
+               int64_t block_units, int64_t chunk, const float* bias, typename E::Elem* y, int64_t N, int64_t n0) {
+  TileSums sums[kBlockTiles];
+  const int tiles = (rows + kTileRows - 1) / kTileRows;
+  auto tile_rows = [&](int t) { return std::min(kTileRows, rows - t * kTileRows); };
+  for (int64_t k0 = 0; k0 < units; k0 += block_units) {
+    const int64_t k1 = std::min(units, k0 + block_units);
+    for (int64_t c0 = k0; c0 < k1; c0 += chunk) {
+      const int64_t c1 = std::min(k1, c0 + chunk);
+      for (int t = 0; t < tiles; ++t)
+        tile_chunk_rows<E, J>(tile_rows(t), x + t * kTileRows * K, K, w, c0, c1, c0 == k0, c1 == k1, k0 == 0, t == 0,
+                              sums[t]);
+    }
+  }
+  for (int t = 0; t < tiles; ++t)
+    for (int j = 0; j < J; ++j) {
+      const int64_t n = n0 + j * kLanes, left = N - n;
+      const __mmask16 mask = left >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+      const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
+      for (int r = 0; r < tile_rows(t); ++r) {
+        const __m512 total = _mm512_load_ps(sums[t].total[r][j]);
+        E::store(y + (t * kTileRows + r) * N + n, mask, bias ? _mm512_add_ps(total, b) : total);
+      }
+    }
+}
+
+// x [M, K] times the panels `packed` of `out_features` outputs (+ `bias` [N], any float
+// dtype) -> [M, N] in x's dtype. Panels are shared out among threads; every row of a panel is
+// computed by the thread that owns it, in the same order whatever M is.
+template <typename E>
+torch::Tensor product(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
+                      const c10::optional<torch::Tensor>& bias) {
+  const int64_t M = x.size(0), K = x.size(1), units = K / E::kInputs, panels = packed.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  torch::Tensor bias32;
+  if (bias.has_value()) bias32 = bias->to(at::kFloat).contiguous();
+  const float* b = bias.has_value() ? bias32.data_ptr<float>() : nullptr;
+  const auto* xs = reinterpret_cast<const typename E::Elem*>(x.data_ptr());
+  const auto* ws = reinterpret_cast<const typename E::Elem*>(packed.data_ptr());
+  auto* ys = reinterpret_cast<typename E::Elem*>(y.data_ptr());
+  const int64_t block_units = block_of(K) / E::kInputs, panel_size = K * kPanel;
+  if (M == 0) return y;
+  // decode-sized products share each chunk among all their tiles; larger ones go tile by tile
+  const bool shared = M <= kBlockTiles * kTileRows;
+  const int64_t block_rows = shared ? M : kTileRows, chunk = shared ? kChunkUnits : block_units;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n0 = p * kPanel, vectors = std::min<int64_t>(kPanelVectors, (N - n0 + kLanes - 1) / kLanes);
+      const typename E::Elem* w = ws + p * panel_size;
+      for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
+        const int rows = static_cast<int>(std::min(block_rows, M - m0));
+        const auto* xr = xs + m0 * K;
+        auto* yr = ys + m0 * N;
+        if (vectors == 3) row_block<E, 3>(rows, xr, K, w, units, block_units, chunk, b, yr, N, n0);
+        else if (vectors == 2) row_block<E, 2>(rows, xr, K, w, units, block_units, chunk, b, yr, N, n0);
+        else row_block<E, 1>(rows, xr, K, w, units, block_units, chunk, b, yr, N, n0);
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+#endif
+
+// The dtypes panel_linear runs in this build.
+std::vector<std::string> panel_linear_dtypes() {
+#if defined(__AVX512BF16__)
+  return {"bfloat16", "float32"};
+#elif defined(__AVX512F__)
+  return {"float32"};
+#else
+  return {};
+#endif
+}
+
+namespace {
+int64_t inputs_per_unit(const torch::Tensor& t) { return t.scalar_type() == at::kBFloat16 ? 2 : 1; }
+
+void check_dtype(const torch::Tensor& t, const char* what) {
+  const auto dtypes = panel_linear_dtypes();
+  const std::string name = t.scalar_type() == at::kBFloat16 ? "bfloat16" : t.scalar_type() == at::kFloat ? "float32" : "";
+  TORCH_CHECK(!name.empty() && std::find(dtypes.begin(), dtypes.end(), name) != dtypes.end(), what,
+              " runs in this build's dtypes only (", c10::Join(", ", dtypes), "), got ", t.scalar_type());
+}
+}  // namespace
+
+// `weight` [N, K] (bf16: K even) -> [ceil(N / 48), K / u, 48, u] with u inputs per unit (2 in
+// bf16, 1 in fp32): the panels described above, features past N zero.
+torch::Tensor pack_panels(torch::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.device().is_cpu(), "pack_panels takes a 2-D CPU weight");
+  check_dtype(weight, "pack_panels");
+  const int64_t N = weight.size(0), K = weight.size(1), u = inputs_per_unit(weight);
+  TORCH_CHECK(K % u == 0, "pack_panels needs an even number of input features in bf16, got ", K);
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+  auto padded = torch::zeros({panels * kPanel, K / u, u}, weight.options());
+  padded.narrow(0, 0, N).copy_(weight.reshape({N, K / u, u}));
+  return padded.view({panels, kPanel, K / u, u}).transpose(1, 2).contiguous();
+}
+
+// x [M, K] times the weight `pack_panels` made of `out_features` outputs (+ `bias` [N]) -> [M, N].
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features,
+                           c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2, "panel_linear takes 2-D rows");
+  check_dtype(x, "panel_linear");
+  const int64_t u = inputs_per_unit(x);
+  TORCH_CHECK(packed.scalar_type() == x.scalar_type() && packed.dim() == 4 && packed.size(2) == kPanel &&
+                  packed.size(3) == u && packed.size(1) * u == x.size(1),
+              "panel_linear: the packed weight (", packed.sizes(), ", ", packed.scalar_type(), ") does not take rows of ",
+              x.size(1), " ", x.scalar_type());
+  const int64_t panels = packed.size(0), N = out_features;
+  TORCH_CHECK(N <= panels * kPanel && N > (panels - 1) * kPanel, "panel_linear: ", N, " outputs for ", panels,
+              " panels");
+  x = x.contiguous();
+#if defined(__AVX512BF16__)
+  if (x.scalar_type() == at::kBFloat16) return product<Bf16>(x, packed, N, bias);
+#endif
+#if defined(__AVX512F__)
+  return product<Fp32>(x, packed, N, bias);
+#else
+  TORCH_CHECK(false, "panel_linear needs AVX-512");
+#endif
+}

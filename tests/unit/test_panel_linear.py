@@ -1,0 +1,106 @@
+"""The CPU kernel's linear layer on panels (csrc/panel_linear.cpp, engine.model.linear.PanelWeight),
+in bf16 and fp32: a row's bits never depend on the rows beside it, and they are oneDNN's bits."""
+
+import pytest
+import torch
+
+from pdserve.engine.model.kernels import cpu_kernels
+from pdserve.engine.model.linear import PanelWeight, linear, pack
+
+KERNELS = cpu_kernels()
+DTYPES = [pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+              KERNELS is None or "bfloat16" not in KERNELS.panel_linear_dtypes, reason="needs avx512_bf16")),
+          pytest.param(torch.float32, marks=pytest.mark.skipif(
+              KERNELS is None or "float32" not in KERNELS.panel_linear_dtypes, reason="needs AVX-512"))]
+
+# SmolLM2-135M's products: qkv, o, gate_up, down; then shapes whose outputs end mid-panel
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (100, 64), (17, 2080)]
+
+
+def onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """oneDNN's product on a packed weight, at 2 rows or more (its 1-row path differs)."""
+    assert x.shape[0] >= 2
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def order_revealing(out_features: int, in_features: int, seed: int, dtype=torch.bfloat16) -> torch.Tensor:
+    """Weights whose sums depend on their order: per row, +2^24 and -2^24 at random places
+    and 1s at 60 others. With inputs of 1, a 1 added while 2^24 is in a partial sum is lost,
+    so any other grouping of the products gives another result."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.zeros(out_features, in_features)
+    for row in w:
+        places = torch.randperm(in_features, generator=gen)
+        row[places[0]], row[places[1]] = 2.0**24, -(2.0**24)
+        row[places[2:62]] = 1.0
+    return w.to(dtype)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("rows", [2, 3, 9, 17, 64, 65, 130])
+def test_rows_get_onednns_bits(shape, rows, dtype):
+    gen = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(*shape, generator=gen) * 0.05).to(dtype)
+    x = torch.randn(rows, shape[1], generator=gen).to(dtype)
+    packed = pack(weight)
+    assert isinstance(packed, PanelWeight)
+    assert torch.equal(bits(linear(x, packed)), bits(onednn(x, weight)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("in_features", [64, 576, 1024, 1040, 1536, 2080, 4096])
+def test_the_summation_order_is_onednns(in_features, dtype):
+    """512-input blocks up to 1,024 inputs, 1,024-input blocks beyond, the blocks' sums added
+    in order: weights built so that any other order gives other sums tell it apart."""
+    weight = order_revealing(64, in_features, seed=in_features, dtype=dtype)
+    x = torch.ones(2, in_features).to(dtype)
+    assert torch.equal(bits(linear(x, pack(weight))), bits(onednn(x, weight)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(dtype):
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(3072, 576, generator=gen) * 0.05).to(dtype)
+    x = torch.randn(137, 576, generator=gen).to(dtype)
+    packed = pack(weight)
+    together = linear(x, packed)
+    # alone, in tiles cut elsewhere, sharing chunks (up to 64 rows), tile by tile (more), all
+    for start, stop in [(0, 1), (5, 6), (3, 11), (0, 37), (20, 37), (0, 64), (1, 66), (0, 137)]:
+        assert torch.equal(bits(linear(x[start:stop], packed)), bits(together[start:stop]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bias_is_added_before_rounding_as_onednn_adds_it(dtype):
+    gen = torch.Generator().manual_seed(1)
+    weight = (torch.randn(100, 576, generator=gen) * 0.05).to(dtype)
+    bias = torch.randn(100, generator=gen).to(dtype)
+    x = torch.randn(5, 576, generator=gen).to(dtype)
+    assert torch.equal(bits(linear(x, pack(weight), bias)), bits(onednn(x, weight, bias)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_leading_dimensions_and_no_rows(dtype):
+    weight = torch.randn(100, 64).to(dtype)
+    packed = pack(weight)
+    x = torch.randn(2, 3, 64).to(dtype)
+    assert torch.equal(linear(x, packed), linear(x.reshape(6, 64), packed).view(2, 3, 100))
+    assert linear(torch.empty(0, 64, dtype=dtype), packed).shape == (0, 100)
+
+
+@pytest.mark.parametrize("dtype", DTYPES[:1])
+def test_what_it_cannot_take_is_named(dtype):
+    with pytest.raises(RuntimeError, match="even number of input features"):
+        KERNELS.pack_panels(torch.randn(4, 5).bfloat16())
+    assert not isinstance(pack(torch.randn(4, 5).bfloat16()), PanelWeight)  # oneDNN takes it instead
+    with pytest.raises(RuntimeError, match="does not take rows of 32"):
+        KERNELS.panel_linear(torch.randn(2, 32).bfloat16(), pack(torch.randn(4, 64).bfloat16()).panels, 4, None)
+    with pytest.raises(RuntimeError, match="does not take rows of 64 Float"):  # panels of another dtype
+        KERNELS.panel_linear(torch.randn(2, 64), pack(torch.randn(4, 64).bfloat16()).panels, 4, None)
+    with pytest.raises(RuntimeError, match="runs in this build's dtypes only"):
+        KERNELS.pack_panels(torch.randn(4, 64).half())
