@@ -49,7 +49,7 @@ def cpu_has_amx() -> bool:
         return False
 
 
-_CHUNK_BF16_ROWS = cpu_has_amx()
+_HAS_AMX = cpu_has_amx()  # oneDNN's bf16 rows then need chunking, and its products stay (no panels)
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def _panel_kernels(weight: torch.Tensor):
     """The CPU kernels when `weight` can be a PanelWeight here (a CPU matrix in a dtype this
     build's `panel_linear` runs, bf16 with an even number of input features, on a CPU without
     AMX, whose oneDNN products `linear` keeps), else None."""
-    if weight.device.type != "cpu" or weight.dim() != 2 or _CHUNK_BF16_ROWS:
+    if weight.device.type != "cpu" or weight.dim() != 2 or _HAS_AMX:
         return None
     if weight.dtype == torch.bfloat16 and weight.shape[1] % 2:
         return None
@@ -118,7 +118,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PanelWeight, bias: torch.Tens
         out = cpu_kernels().panel_linear(rows, weight.panels, weight.out_features, bias)
         return out.view(*x.shape[:-1], weight.out_features)
     if weight.layout == torch._mkldnn:
-        if _CHUNK_BF16_ROWS and x.dim() == 2 and x.shape[0] > AMX_INVARIANT_ROWS and x.dtype == torch.bfloat16:
+        if _HAS_AMX and x.dim() == 2 and x.shape[0] > AMX_INVARIANT_ROWS and x.dtype == torch.bfloat16:
             return torch.cat([packed_product(block, weight, bias) for block in x.split(AMX_INVARIANT_ROWS)])
         return packed_product(x, weight, bias)
     return F.linear(x, weight, bias)

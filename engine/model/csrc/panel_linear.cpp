@@ -218,7 +218,7 @@ namespace {
 int64_t inputs_per_unit(const torch::Tensor& t) { return t.scalar_type() == at::kBFloat16 ? 2 : 1; }
 
 void check_dtype(const torch::Tensor& t, const char* what) {
-  const auto dtypes = panel_linear_dtypes();
+  static const std::vector<std::string> dtypes = panel_linear_dtypes();  // checked on every product
   const std::string name = t.scalar_type() == at::kBFloat16 ? "bfloat16" : t.scalar_type() == at::kFloat ? "float32" : "";
   TORCH_CHECK(!name.empty() && std::find(dtypes.begin(), dtypes.end(), name) != dtypes.end(), what,
               " runs in this build's dtypes only (", c10::Join(", ", dtypes), "), got ", t.scalar_type());
