@@ -218,6 +218,40 @@ struct DotFor { using type = Dot<T, D>; };
 #endif
 
 
+// `x`, held in a register: a value loaded once and used by several FMAs is not folded into
+// each of them as a load of its own (which the compiler prefers, and which left weigh_block
+// bound by loads: 1.45x slower on a Zen 4 EPYC, benchmarks/README.md).
+inline __m512 in_register(__m512 x) {
+  asm("" : "+v"(x));
+  return x;
+}
+
+// The first `count` tokens of one block of V (`value`: the first token's row of one kv head,
+// rows `token_stride` apart) weighed into NH fp32 output rows (`acc[j]`, D floats each) by
+// their probabilities (`probs[j][t]` for token t), token by token in order, one FMA per token
+// and 16 dims. Both kernels weigh fp32 and fp16 V through this one function (the decode
+// kernel NH heads of a sequence, the prefill kernel rows of several queries that reach the
+// same tokens), so a token's output is the same bits in either; the NH x D/16 independent
+// chains keep the FMA units busy where one row's D/16 would wait on the FMA's latency.
+template <typename T, int64_t D, int64_t NH>
+inline void weigh_block(const T* value, int64_t token_stride, int64_t count, const float* const (&probs)[NH],
+                        float* const (&acc)[NH]) {
+  constexpr int64_t C = D / 16;
+  __m512 sum[NH][C];
+  for (int64_t j = 0; j < NH; ++j)
+    for (int64_t c = 0; c < C; ++c) sum[j][c] = _mm512_loadu_ps(acc[j] + 16 * c);
+  for (int64_t i = 0; i < count; ++i, value += token_stride) {
+    __m512 v[C];
+    for (int64_t c = 0; c < C; ++c) v[c] = in_register(load16(value + 16 * c));
+    for (int64_t j = 0; j < NH; ++j) {
+      const __m512 p = _mm512_set1_ps(probs[j][i]);
+      for (int64_t c = 0; c < C; ++c) sum[j][c] = _mm512_fmadd_ps(p, v[c], sum[j][c]);
+    }
+  }
+  for (int64_t j = 0; j < NH; ++j)
+    for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(acc[j] + 16 * c, sum[j][c]);
+}
+
 #if defined(__AVX512BF16__)
 // 16 rows of 16 dwords transposed in registers: afterwards r[j] lane i is what r[i] lane j was.
 inline void transpose16x16(__m512i (&r)[16]) {

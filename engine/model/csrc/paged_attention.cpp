@@ -148,29 +148,6 @@ inline void score_sequence(const T* q, const SequenceBlocks<T>& blocks, int64_t 
   }
 }
 
-// The first `count` tokens of one block of V (`value`: the first token's row of one kv head)
-// weighed into the fp32 rows of NH of its query heads (`acc`, D apart) by their
-// probabilities (`probs`: the first head's at the block's first token, `p_stride` apart),
-// token by token in order.
-template <typename T, int64_t D, int64_t NH>
-inline void weigh_block(const T* value, int64_t token_stride, int64_t count, const float* probs, int64_t p_stride,
-                        float* acc) {
-  constexpr int64_t C = D / 16;
-  __m512 sum[NH][C];
-  for (int64_t j = 0; j < NH; ++j)
-    for (int64_t c = 0; c < C; ++c) sum[j][c] = _mm512_loadu_ps(acc + j * D + 16 * c);
-  for (int64_t i = 0; i < count; ++i, value += token_stride) {
-    __m512 v[C];
-    for (int64_t c = 0; c < C; ++c) v[c] = load16(value + 16 * c);
-    for (int64_t j = 0; j < NH; ++j) {
-      const __m512 p = _mm512_set1_ps(probs[j * p_stride + i]);
-      for (int64_t c = 0; c < C; ++c) sum[j][c] = _mm512_fmadd_ps(p, v[c], sum[j][c]);
-    }
-  }
-  for (int64_t j = 0; j < NH; ++j)
-    for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(acc + j * D + 16 * c, sum[j][c]);
-}
-
 #if defined(__AVX512BF16__)
 // weigh_block for bf16 V with vdpbf16ps: the probabilities rounded to bf16 (`probs16`, as
 // GPU flash attention rounds P before its P.V product) and each pair of neighbouring tokens
@@ -309,8 +286,13 @@ void decode_range(const Operands<T>& o, float scale, int64_t begin, int64_t end)
                                         acc.data() + h0 * D);
               else
 #endif
-                weigh_block<T, D, NH>(value, token_stride, count, scores.data() + h0 * ctx + first, ctx,
-                                      acc.data() + h0 * D);
+              {
+                const float* probs[NH];
+                float* sums[NH];
+                for (int64_t j = 0; j < NH; ++j)
+                  probs[j] = scores.data() + (h0 + j) * ctx + first, sums[j] = acc.data() + (h0 + j) * D;
+                weigh_block<T, D, NH>(value, token_stride, count, probs, sums);
+              }
             }
           };
           switch (std::min(PASS, h_end - h0)) {

@@ -14,11 +14,11 @@
 // What changes is the order of the loops around that arithmetic: queries are taken in tiles
 // of consecutive tokens, and each tile walks the sequence's K and V blocks once, every block
 // scored (or weighed) for all the tile's queries while it is in L1, where the decode kernel
-// reads the whole prefix again for every query. In bf16 (prefill_tile_bf16) a tile is taken
-// one kv head at a time, so its scores between passes are that head group's rows only; each
-// group of 16 keys is transposed once for all of them, and V is weighed in spans of up to 64
-// tokens, several rows at once. A query's accumulators live in memory between blocks or
-// spans (fp32 values, so loading and storing them changes nothing). Tiles are handed to
+// reads the whole prefix again for every query. A tile is taken one kv head at a time, so
+// its scores between passes are that head group's rows only, and V is weighed in spans of up
+// to 64 tokens, several rows at once (prefill_tile_bf16 in bf16, where each group of 16 keys
+// is also transposed once for all the rows; prefill_tile otherwise). A query's accumulators
+// live in memory between spans (fp32 values, so loading and storing them changes nothing). Tiles are handed to
 // threads in a balanced order (first, last, second, second-to-last, ...): later tiles attend
 // to longer prefixes, and contiguous ranges of tiles would give the last thread most of the
 // work.
@@ -33,11 +33,11 @@ namespace {
 
 using namespace pdserve_attention;
 
-constexpr int64_t kSpanTokens = 64;  // bf16: V tokens weighed per load and store of the accumulators
+constexpr int64_t kSpanTokens = 64;  // tokens per span: weighed per load and store of the accumulators
 
 // A thread's working memory for its tiles, reused from tile to tile.
 struct TileBuffers {
-  std::vector<float> scores, acc, norms;
+  std::vector<float> scores, acc, norms, values;  // values: a span's V rows of one kv head in fp32
   std::vector<uint16_t> probs16, full, single;  // bf16 probabilities; a span's V pairs
   std::vector<c10::BFloat16> qbuf;  // the tile's query rows of one kv head
   std::vector<int64_t> query_of, row_of;  // a kv head's rows: query, and row in the buffers
@@ -235,105 +235,119 @@ inline void prefill_tile_bf16(const c10::BFloat16* q_ptr, const c10::BFloat16* k
 }
 #endif
 
+// A tile of `nq` queries (`q0` the first) attended in the other dtypes (fp32, fp16; bf16 whose
+// head size is not a multiple of 32), one kv head at a time as in bf16, so that the tile's
+// scores are the rows of one head group (nq * group, query-major). Both passes walk the
+// sequence a span of kSpanTokens at a time, every row taking the span while its K (or V) is
+// in L1: each row's scores and probabilities are then read and written as runs of the span,
+// not a block's 16 floats here and there in a buffer of megabytes (at 6,144 tokens, the
+// probabilities times V ran 1.5x slower that way, waiting on those reads). Per token the
+// arithmetic is the decode kernel's: its scores (bf16: score_rows, keys in lanes; else
+// score16), softmax_rows over the row, and V weighed token by token in position order
+// (weigh_block, kRowsF rows that take the same tokens at a time).
+template <typename T, int64_t D>
+inline void prefill_tile(const T* q_ptr, const T* k_ptr, const T* v_ptr, const int64_t* table, T* out_ptr, int64_t q0,
+                         int64_t nq, int64_t start_pos, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
+                         float scale, TileBuffers& buf) {
+  constexpr int64_t C = D / 16;                               // vectors per head row
+  constexpr int64_t kRowsF = std::min<int64_t>(8, 16 / C);   // rows weighed together: <= 16 accumulators
+  using DotT = typename DotFor<T, D>::type;
+  const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * D;
+  const int64_t block_stride = block_size * token_stride, rows = nq * group;
+  const int64_t ctx0 = start_pos + q0 + 1, ctx_max = start_pos + q0 + nq;  // the first and last query's context
+  const int64_t num_blocks = (ctx_max + block_size - 1) / block_size;
+  const int64_t span_blocks = std::max<int64_t>(1, kSpanTokens / block_size);
+  buf.scores.resize(rows * ctx_max);
+  buf.values.resize(span_blocks * block_size * D);
+  std::vector<float> inv_sums(1);
+  auto query_head = [&](int64_t r, int64_t kv_head) { return (q0 + r / group) * num_heads + kv_head * group + r % group; };
+  for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      score_kv_head_bf16<D>(q_ptr + q0 * num_heads * D, nq, num_heads, group, kv_head, k_ptr, table, num_blocks,
+                            block_size, block_stride, token_stride, ctx0, ctx_max, scale, buf.scores.data(), group, 0,
+                            buf.qbuf);
+    } else
+#endif
+    for (int64_t blk0 = 0; blk0 < num_blocks; blk0 += span_blocks) {  // scores, span by span
+      const int64_t blk1 = std::min(num_blocks, blk0 + span_blocks), first = blk0 * block_size;
+      for (int64_t b = blk1; b < std::min(num_blocks, blk1 + span_blocks); ++b)
+        prefetch_row(k_ptr + table[b] * block_stride + kv_head * D, block_stride - kv_head * D);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t ctx = ctx0 + r / group;
+        if (ctx <= first) continue;
+        const DotT dot(q_ptr + query_head(r, kv_head) * D);
+        float* row = buf.scores.data() + r * ctx_max;
+        for (int64_t blk = blk0; blk < blk1 && blk * block_size < ctx; ++blk) {
+          const int64_t at = blk * block_size, count = std::min(block_size, ctx - at);
+          const T* key = k_ptr + table[blk] * block_stride + kv_head * D;
+          for (int64_t i0 = 0; i0 < count; i0 += 16)
+            score16(dot, key + i0 * token_stride, token_stride, std::min<int64_t>(16, count - i0), scale, row + at + i0);
+        }
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) softmax_rows(buf.scores.data() + r * ctx_max, 1, ctx0 + r / group, inv_sums);
+    buf.acc.assign(rows * D, 0.f);
+    for (int64_t blk0 = 0; blk0 < num_blocks; blk0 += span_blocks) {  // probabilities times V, span by span
+      const int64_t blk1 = std::min(num_blocks, blk0 + span_blocks), first = blk0 * block_size;
+      const int64_t span_tokens = std::min(blk1 * block_size, ctx_max) - first;
+      for (int64_t t = 0; t < span_tokens; ++t) {  // the span's V rows of this kv head, in fp32
+        const int64_t pos = first + t;
+        const T* value = v_ptr + table[pos / block_size] * block_stride + (pos % block_size) * token_stride + kv_head * D;
+        for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(&buf.values[t * D + 16 * c], load16(value + 16 * c));
+      }
+      for (int64_t b = blk1; b < std::min(num_blocks, blk1 + span_blocks); ++b)
+        prefetch_row(v_ptr + table[b] * block_stride + kv_head * D, block_stride - kv_head * D);
+      auto count_of = [&](int64_t r) { return std::clamp<int64_t>(ctx0 + r / group - first, 0, span_tokens); };
+      auto weigh = [&](int64_t r, int64_t count, auto nrows) {
+        constexpr int64_t NR = decltype(nrows)::value;
+        const float* probs[NR];
+        float* sums[NR];
+        for (int64_t k = 0; k < NR; ++k) probs[k] = buf.scores.data() + (r + k) * ctx_max + first, sums[k] = buf.acc.data() + (r + k) * D;
+        weigh_block<float, D, NR>(buf.values.data(), D, count, probs, sums);
+      };
+      for (int64_t r = 0; r < rows;) {  // kRowsF rows at a time where they take the same tokens
+        const int64_t count = count_of(r);
+        if (r + kRowsF <= rows && count > 0 && count_of(r + kRowsF - 1) == count) {
+          weigh(r, count, std::integral_constant<int64_t, kRowsF>{});
+          r += kRowsF;
+          continue;
+        }
+        if (count > 0) weigh(r, count, std::integral_constant<int64_t, 1>{});
+        ++r;
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* a = buf.acc.data() + r * D;
+      T* o = out_ptr + query_head(r, kv_head) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(a[d]);
+    }
+  }
+}
+
 template <typename T, int64_t D>
 void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& block_table, int64_t start_pos, double scale, int64_t tile_size,
                        at::Tensor& out) {
-  constexpr int64_t C = D / 16;  // vectors per head row
   const int64_t n = q.size(0), num_heads = q.size(1), block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * D;
-  const int64_t block_stride = block_size * token_stride;
   const T *q_ptr = q.data_ptr<T>(), *k_ptr = k_cache.data_ptr<T>(), *v_ptr = v_cache.data_ptr<T>();
   const int64_t* table = block_table.data_ptr<int64_t>();
   T* out_ptr = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
-  using DotT = typename DotFor<T, D>::type;
-#if defined(__AVX512BF16__)
-  constexpr bool kPairedValues = std::is_same_v<T, c10::BFloat16> && D % 32 == 0;
-  constexpr bool kKeysInLanes = std::is_same_v<T, c10::BFloat16>;
-#else
-  constexpr bool kPairedValues = false;
-#endif
   const int64_t num_tiles = (n + tile_size - 1) / tile_size;
-
   at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
     TileBuffers buf;
-    std::vector<float> inv_sums(1), rows(block_size * D);  // rows: a block's V rows of one kv head in fp32
     for (int64_t k = begin; k < end; ++k) {
       const int64_t q0 = balanced_tile(k, num_tiles) * tile_size, nq = std::min(tile_size, n - q0);
 #if defined(__AVX512BF16__)
-      if constexpr (kPairedValues) {
+      if constexpr (std::is_same_v<T, c10::BFloat16> && D % 32 == 0) {
         prefill_tile_bf16<D>(q_ptr, k_ptr, v_ptr, table, out_ptr, q0, nq, start_pos, num_heads, num_kv_heads,
                              block_size, fscale, buf);
         continue;
       }
 #endif
-      const int64_t ctx_max = start_pos + q0 + nq;  // the tile's last query's context
-      const int64_t num_blocks = (ctx_max + block_size - 1) / block_size;
-      auto ctx_of = [&](int64_t i) { return start_pos + q0 + i + 1; };
-      std::vector<float>& scores = buf.scores;
-      std::vector<float>& acc = buf.acc;
-      scores.resize(nq * num_heads * ctx_max);  // row (i, h) at (i * H + h) * ctx_max
-#if defined(__AVX512BF16__)
-      if constexpr (kKeysInLanes) {
-        for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head)
-          score_kv_head_bf16<D>(q_ptr + q0 * num_heads * D, nq, num_heads, group, kv_head, k_ptr, table, num_blocks,
-                                block_size, block_stride, token_stride, ctx_of(0), ctx_max, fscale, scores.data(),
-                                num_heads, kv_head * group, buf.qbuf);
-      } else
-#endif
-      for (int64_t blk = 0; blk < num_blocks; ++blk) {  // scores
-        const int64_t first = blk * block_size;
-        const T* block = k_ptr + table[blk] * block_stride;
-        if (blk + 1 < num_blocks) prefetch_row(k_ptr + table[blk + 1] * block_stride, block_stride);
-        for (int64_t i = 0; i < nq; ++i) {
-          const int64_t ctx = ctx_of(i);
-          if (ctx <= first) continue;
-          const int64_t count = std::min(block_size, ctx - first);
-          for (int64_t h = 0; h < num_heads; ++h) {
-            const DotT dot(q_ptr + ((q0 + i) * num_heads + h) * D);
-            const T* key = block + (h / group) * D;
-            float* row = scores.data() + (i * num_heads + h) * ctx_max + first;
-            for (int64_t i0 = 0; i0 < count; i0 += 16)
-              score16(dot, key + i0 * token_stride, token_stride, std::min<int64_t>(16, count - i0), fscale, row + i0);
-          }
-        }
-      }
-      for (int64_t i = 0; i < nq; ++i)  // softmax, each row as the decode kernel takes it
-        for (int64_t h = 0; h < num_heads; ++h)
-          softmax_rows(scores.data() + (i * num_heads + h) * ctx_max, 1, ctx_of(i), inv_sums);
-      acc.assign(nq * num_heads * D, 0.f);
-      for (int64_t blk = 0; blk < num_blocks; ++blk) {  // probabilities times V
-        const int64_t first = blk * block_size, block_tokens = std::min(block_size, ctx_max - first);
-        if (blk + 1 < num_blocks) prefetch_row(v_ptr + table[blk + 1] * block_stride, block_stride);
-        for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
-          const T* value = v_ptr + table[blk] * block_stride + kv_head * D;
-          for (int64_t t = 0; t < block_tokens; ++t)
-            for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(&rows[t * D + 16 * c], load16(value + t * token_stride + 16 * c));
-          for (int64_t i = 0; i < nq; ++i) {
-            const int64_t ctx = ctx_of(i);
-            if (ctx <= first) continue;
-            const int64_t count = std::min(block_size, ctx - first);
-            for (int64_t j = 0; j < group; ++j) {
-              const int64_t h = kv_head * group + j;
-              const float* probs = scores.data() + (i * num_heads + h) * ctx_max + first;
-              float* a = acc.data() + (i * num_heads + h) * D;
-              __m512 sum[C];
-              for (int64_t c = 0; c < C; ++c) sum[c] = _mm512_loadu_ps(a + 16 * c);
-              for (int64_t t = 0; t < count; ++t) {
-                const __m512 p = _mm512_set1_ps(probs[t]);
-                for (int64_t c = 0; c < C; ++c) sum[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(&rows[t * D + 16 * c]), sum[c]);
-              }
-              for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(a + 16 * c, sum[c]);
-            }
-          }
-        }
-      }
-      for (int64_t i = 0; i < nq * num_heads; ++i) {
-        const float* a = acc.data() + i * D;
-        T* o = out_ptr + (q0 * num_heads + i) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(a[d]);
-      }
+      prefill_tile<T, D>(q_ptr, k_ptr, v_ptr, table, out_ptr, q0, nq, start_pos, num_heads, num_kv_heads, block_size,
+                         fscale, buf);
     }
   });
 }
