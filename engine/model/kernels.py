@@ -8,7 +8,9 @@ source, torch's version, the compiler flags and the CPU's instruction set, so a 
 between machines (an NFS home, a copied image) never hands one CPU another's binary.
 If no C++ compiler is available the engine falls back to a gather-based torch path, which
 is correct but slower; `cpu_kernels()` returns None in that case.
-Set `PDSERVE_DISABLE_CPU_KERNEL=1` to force the fallback.
+Set `PDSERVE_DISABLE_CPU_KERNEL=1` to force the fallback, or `PDSERVE_CPU_KERNEL_MARCH` (e.g.
+`haswell`: AVX2 without AVX-512) to build for an older instruction set than this CPU's (the
+tests run the kernels' checks on such a build: tests/integration/test_kernels_avx2.py).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ _SOURCES = tuple(Path(__file__).parent / "csrc" / name
                  for name in ("paged_attention.cpp", "paged_prefill.cpp", "fused_ops.cpp", "panel_linear.cpp",
                               "bindings.cpp"))
 _HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("attention_common.h",))  # copied, not compiled
-_CFLAGS = ("-O3", "-ffast-math", "-march=native", "-fopenmp")
+_CFLAGS = ("-O3", "-ffast-math", f"-march={os.environ.get('PDSERVE_CPU_KERNEL_MARCH') or 'native'}", "-fopenmp")
 _LDFLAGS = ("-fopenmp", "-lmvec")
 
 
