@@ -165,59 +165,6 @@ inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// Lane i of the result is the sum of the 16 lanes of v[i].
-inline __m512 transpose_sum16(const __m512* v) {
-  __m512 a[8], b[4], c[2];
-  for (int j = 0; j < 8; ++j)  // per 128-bit lane: (v0+v2, w0+w2, v1+v3, w1+w3) of v=v[2j], w=v[2j+1]
-    a[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
-  for (int j = 0; j < 4; ++j) {  // per 128-bit lane: the lane's sum for each of v[4j..4j+3]
-    const __m512d x = _mm512_castps_pd(a[2 * j]), y = _mm512_castps_pd(a[2 * j + 1]);
-    b[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  for (int j = 0; j < 2; ++j)  // fold the four 128-bit lanes pairwise
-    c[j] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * j], b[2 * j + 1], 0x88),
-                         _mm512_shuffle_f32x4(b[2 * j], b[2 * j + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
-}
-
-// 16 partial sums of q.k over D dims: k converted to fp32 and multiplied with q in fp32.
-template <typename T, int64_t D>
-struct Dot {
-  __m512 q[D / 16];
-  explicit Dot(const T* query) {
-    for (int64_t c = 0; c < D / 16; ++c) q[c] = load16(query + 16 * c);
-  }
-  inline __m512 partial(const T* k) const {
-    __m512 acc = _mm512_mul_ps(q[0], load16(k));
-    for (int64_t c = 1; c < D / 16; ++c) acc = _mm512_fmadd_ps(q[c], load16(k + 16 * c), acc);
-    return acc;
-  }
-};
-
-#if defined(__AVX512BF16__)
-// bf16 q and k multiplied in pairs as they are (exact products, fp32 sums): no conversion.
-template <int64_t D>
-struct DotBf16 {
-  __m512bh q[D / 32];
-  explicit DotBf16(const c10::BFloat16* query) {
-    for (int64_t c = 0; c < D / 32; ++c) q[c] = (__m512bh)_mm512_loadu_si512(query + 32 * c);
-  }
-  inline __m512 partial(const c10::BFloat16* k) const {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t c = 0; c < D / 32; ++c) acc = _mm512_dpbf16_ps(acc, q[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
-    return acc;
-  }
-};
-template <typename T, int64_t D>
-struct DotFor { using type = Dot<T, D>; };
-template <int64_t D>
-struct DotFor<c10::BFloat16, D> { using type = std::conditional_t<D % 32 == 0, DotBf16<D>, Dot<c10::BFloat16, D>>; };
-#else
-template <typename T, int64_t D>
-struct DotFor { using type = Dot<T, D>; };
-#endif
-
-
 // `x`, held in a register: a value loaded once and used by several FMAs is not folded into
 // each of them as a load of its own (which the compiler prefers, and which left weigh_block
 // bound by loads: 1.45x slower on a Zen 4 EPYC, benchmarks/README.md).
@@ -225,6 +172,17 @@ inline __m512 in_register(__m512 x) {
   asm("" : "+v"(x));
   return x;
 }
+
+// A query row in fp32 registers, for score16_rows.
+template <typename T, int64_t D>
+struct Dot {
+  __m512 q[D / 16];
+  explicit Dot(const T* query) {
+    for (int64_t c = 0; c < D / 16; ++c) q[c] = load16(query + 16 * c);
+  }
+};
+
+
 
 // The first `count` tokens of one block of V (`value`: the first token's row of one kv head,
 // rows `token_stride` apart) weighed into NH fp32 output rows (`acc[j]`, D floats each) by
@@ -335,20 +293,82 @@ inline void score_rows(const __m512i* kt, const c10::BFloat16* q, int64_t q_stri
 }
 #endif
 
-// The scaled scores of one query head against `n` <= 16 consecutive cached tokens (`key`:
-// the first one's row for this head), stored to `out[0..n)`: 16 partial sums per token,
-// reduced together by transpose_sum16. Both kernels score through this one function, so a
-// token's scores are the same bits in a decode and in a prefill.
-template <typename DotT, typename T>
-inline void score16(const DotT& dot, const T* key, int64_t token_stride, int64_t n, float scale, float* out) {
-  __m512 partial[16];
-  if (n == 16) {  // the common case, kept free of per-token branches
-    for (int64_t i = 0; i < 16; ++i) partial[i] = dot.partial(key + i * token_stride);
-  } else {
-    for (int64_t i = 0; i < 16; ++i) partial[i] = i < n ? dot.partial(key + i * token_stride) : _mm512_setzero_ps();
+// The scaled scores of R query heads of one kv head (`dots[r]`: their q rows) against `n` <=
+// 16 consecutive cached tokens (`key`: the first one's row for that kv head), stored to
+// outs[r][0..n): per token and head 16 partial sums (lane l: q.k over dims l, l+16, ... in
+// order, from a product), then the 16 lanes added by a fixed tree of in-register transposes
+// (the sums of lanes 4m+{0,2} and 4m+{1,3}, then those two, then the four 128-bit quarters
+// pairwise and the two halves), built up four tokens at a time so that the R heads share
+// each load of a key row (R = 2 halves the loads that the FMAs feed on). Both kernels score
+// through this one function and a score's association is the same whatever R is, so a
+// token's scores are the same bits in a decode and in a prefill, with one head or two.
+template <int R, typename T, int64_t D>
+inline void score16_rows(const Dot<T, D>* dots, const T* key, int64_t token_stride, int64_t n, float scale,
+                         float* const (&outs)[R]) {
+  constexpr int64_t C = D / 16;
+  __m512 b[R][4];
+  for (int quad = 0; quad < 4; ++quad) {  // tokens 4 quad .. 4 quad + 3
+    __m512 a[R][2];
+    for (int pair = 0; pair < 2; ++pair) {
+      __m512 v[2][R];
+      for (int u = 0; u < 2; ++u) {
+        const int64_t t = 4 * quad + 2 * pair + u;
+        if (n < 16 && t >= n) {  // past the tokens: zero partial sums (the common n = 16 skips the test)
+          for (int r = 0; r < R; ++r) v[u][r] = _mm512_setzero_ps();
+          continue;
+        }
+        __m512 k[C];
+        for (int64_t c = 0; c < C; ++c) k[c] = in_register(load16(key + t * token_stride + 16 * c));
+        for (int r = 0; r < R; ++r) {
+          __m512 acc = _mm512_mul_ps(dots[r].q[0], k[0]);
+          for (int64_t c = 1; c < C; ++c) acc = _mm512_fmadd_ps(dots[r].q[c], k[c], acc);
+          v[u][r] = acc;
+        }
+      }
+      for (int r = 0; r < R; ++r)  // the tree's first step, for the pair's two tokens
+        a[r][pair] = _mm512_add_ps(_mm512_unpacklo_ps(v[0][r], v[1][r]), _mm512_unpackhi_ps(v[0][r], v[1][r]));
+    }
+    for (int r = 0; r < R; ++r) {  // its second, for the four tokens
+      const __m512d x = _mm512_castps_pd(a[r][0]), y = _mm512_castps_pd(a[r][1]);
+      b[r][quad] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
   }
-  const __m512 s = _mm512_mul_ps(transpose_sum16(partial), _mm512_set1_ps(scale));
-  _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << n) - 1), s);
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int r = 0; r < R; ++r) {  // its last two
+    __m512 c[2];
+    for (int j = 0; j < 2; ++j)
+      c[j] = _mm512_add_ps(_mm512_shuffle_f32x4(b[r][2 * j], b[r][2 * j + 1], 0x88),
+                           _mm512_shuffle_f32x4(b[r][2 * j], b[r][2 * j + 1], 0xDD));
+    const __m512 sum = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+    _mm512_mask_storeu_ps(outs[r], static_cast<__mmask16>((1u << n) - 1), _mm512_mul_ps(sum, sc));
+  }
+}
+
+// Two query heads of one kv head (`dots[0]`, `dots[1]`; `two` false: the first alone) scored
+// against the tokens of one block (`key`: its first token's row for that kv head), the first
+// against `count_a` of them into out_a, the second against `count_b` >= count_a into out_b:
+// 16 at a time, both heads together where they take the same tokens.
+template <typename T, int64_t D>
+inline void score_block_rows(const Dot<T, D> (&dots)[2], bool two, const T* key, int64_t token_stride,
+                             int64_t count_a, int64_t count_b, float scale, float* out_a, float* out_b) {
+  const int64_t count = two ? count_b : count_a;
+  for (int64_t i0 = 0; i0 < count; i0 += 16) {
+    const int64_t na = std::clamp<int64_t>(count_a - i0, 0, 16), nb = two ? std::min<int64_t>(count_b - i0, 16) : 0;
+    const T* k = key + i0 * token_stride;
+    if (nb == na) {
+      float* const outs[2] = {out_a + i0, out_b + i0};
+      score16_rows<2>(dots, k, token_stride, na, scale, outs);
+      continue;
+    }
+    if (na > 0) {
+      float* const outs[1] = {out_a + i0};
+      score16_rows<1>(dots, k, token_stride, na, scale, outs);
+    }
+    if (nb > 0) {
+      float* const outs[1] = {out_b + i0};
+      score16_rows<1>(dots + 1, k, token_stride, nb, scale, outs);
+    }
+  }
 }
 
 #if defined(__AVX512BF16__)

@@ -89,9 +89,9 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
 //  - Scores in bf16 with avx512_bf16: keys in lanes (score_sequence_bf16): each group of up
 //    to 16 cached tokens of a kv head is transposed once into bf16 pairs, and every score of
 //    the group's query heads is one chain of vdpbf16ps with the query's pair broadcast, four
-//    key groups at a time. Other dtypes (score_sequence): 16 cached tokens at a time per
-//    query head, each token's q.k a vector of 16 partial sums reduced together by one
-//    transpose-and-add tree (45 instructions for 16 dot products).
+//    key groups at a time. Other dtypes (score_sequence): 16 cached tokens at a time for two
+//    query heads of a kv head, each token's q.k a vector of 16 partial sums reduced together
+//    by one transpose-and-add tree (score16_rows), the two heads sharing each load of a key.
 //  - Values: every head's fp32 output row lives in memory between blocks (loading and
 //    storing it changes no bits) and in registers while a block is weighed, up to 4 heads of
 //    a kv head's group at a time. In bf16 with avx512_bf16 the exps are rounded to bf16 in
@@ -129,21 +129,20 @@ struct SequenceBlocks {
 };
 
 // The scaled scores of every query head (`q`: the sequence's [heads][D] rows) against the
-// sequence's first `ctx` cached tokens, into `scores` [heads][ctx]: per block, per head, 16
-// tokens at a time through score16.
+// sequence's first `ctx` cached tokens, into `scores` [heads][ctx]: per block, the heads of
+// each kv head two at a time (score_block_rows), 16 tokens at a time.
 template <typename T, int64_t D>
 inline void score_sequence(const T* q, const SequenceBlocks<T>& blocks, int64_t num_heads, int64_t group,
                            int64_t block_size, int64_t token_stride, int64_t ctx, float scale, float* scores) {
-  using DotT = typename DotFor<T, D>::type;
   for (int64_t blk = 0; blk < blocks.num_blocks; ++blk) {
     const int64_t first = blk * block_size, count = std::min(block_size, ctx - first);
     const T* block = blocks.key_block(blk);
-    for (int64_t h = 0; h < num_heads; ++h) {
-      const DotT dot(q + h * D);
-      const T* key = block + (h / group) * D;
-      for (int64_t i0 = 0; i0 < count; i0 += 16)
-        score16(dot, key + i0 * token_stride, token_stride, std::min<int64_t>(16, count - i0), scale,
-                scores + h * ctx + first + i0);
+    for (int64_t h = 0; h < num_heads; h += 2) {
+      const bool two = (h + 1) % group != 0;  // head h + 1 shares head h's kv head
+      const Dot<T, D> dots[2] = {Dot<T, D>(q + h * D), Dot<T, D>(q + (two ? h + 1 : h) * D)};
+      score_block_rows(dots, two, block + (h / group) * D, token_stride, count, count, scale,
+                       scores + h * ctx + first, two ? scores + (h + 1) * ctx + first : nullptr);
+      if (!two) --h;  // h + 1 opens the next kv head's group
     }
   }
 }

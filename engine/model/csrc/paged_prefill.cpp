@@ -4,7 +4,7 @@
 //
 // Token identity. Every query's output is computed by exactly the arithmetic the decode
 // kernel (paged_attention.cpp, AVX-512 path) applies to a sequence of that context length:
-// the same scores (bf16: score_rows, keys in lanes; else score16), the same two-pass softmax
+// the same scores (bf16: score_rows, keys in lanes; else score16_rows), the same two-pass softmax
 // over the row (bf16: exp_row_to_bf16, the weighted sum scaled by 1/sum at the end), the
 // same accumulation of probabilities times V token by token in position order (in bf16:
 // the same pairs of tokens per vdpbf16ps, a block's odd last token against a zero row). So a
@@ -243,15 +243,14 @@ inline void prefill_tile_bf16(const c10::BFloat16* q_ptr, const c10::BFloat16* k
 // not a block's 16 floats here and there in a buffer of megabytes (at 6,144 tokens, the
 // probabilities times V ran 1.5x slower that way, waiting on those reads). Per token the
 // arithmetic is the decode kernel's: its scores (bf16: score_rows, keys in lanes; else
-// score16), softmax_rows over the row, and V weighed token by token in position order
-// (weigh_block, kRowsF rows that take the same tokens at a time).
+// score16_rows, two rows per load of a key), softmax_rows over the row, and V weighed token
+// by token in position order (weigh_block, kRowsF rows that take the same tokens at a time).
 template <typename T, int64_t D>
 inline void prefill_tile(const T* q_ptr, const T* k_ptr, const T* v_ptr, const int64_t* table, T* out_ptr, int64_t q0,
                          int64_t nq, int64_t start_pos, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
                          float scale, TileBuffers& buf) {
   constexpr int64_t C = D / 16;                               // vectors per head row
   constexpr int64_t kRowsF = std::min<int64_t>(8, 16 / C);   // rows weighed together: <= 16 accumulators
-  using DotT = typename DotFor<T, D>::type;
   const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * D;
   const int64_t block_stride = block_size * token_stride, rows = nq * group;
   const int64_t ctx0 = start_pos + q0 + 1, ctx_max = start_pos + q0 + nq;  // the first and last query's context
@@ -273,16 +272,18 @@ inline void prefill_tile(const T* q_ptr, const T* k_ptr, const T* v_ptr, const i
       const int64_t blk1 = std::min(num_blocks, blk0 + span_blocks), first = blk0 * block_size;
       for (int64_t b = blk1; b < std::min(num_blocks, blk1 + span_blocks); ++b)
         prefetch_row(k_ptr + table[b] * block_stride + kv_head * D, block_stride - kv_head * D);
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t ctx = ctx0 + r / group;
-        if (ctx <= first) continue;
-        const DotT dot(q_ptr + query_head(r, kv_head) * D);
+      for (int64_t r = 0; r < rows; r += 2) {  // rows two at a time (score_block_rows)
+        const bool two = r + 1 < rows;
+        const int64_t ctx_a = ctx0 + r / group, ctx_b = two ? ctx0 + (r + 1) / group : ctx_a;
+        if (ctx_b <= first) continue;
+        const Dot<T, D> dots[2] = {Dot<T, D>(q_ptr + query_head(r, kv_head) * D),
+                                   Dot<T, D>(q_ptr + query_head(two ? r + 1 : r, kv_head) * D)};
         float* row = buf.scores.data() + r * ctx_max;
-        for (int64_t blk = blk0; blk < blk1 && blk * block_size < ctx; ++blk) {
-          const int64_t at = blk * block_size, count = std::min(block_size, ctx - at);
-          const T* key = k_ptr + table[blk] * block_stride + kv_head * D;
-          for (int64_t i0 = 0; i0 < count; i0 += 16)
-            score16(dot, key + i0 * token_stride, token_stride, std::min<int64_t>(16, count - i0), scale, row + at + i0);
+        for (int64_t blk = blk0; blk < blk1 && blk * block_size < ctx_b; ++blk) {
+          const int64_t at = blk * block_size;
+          score_block_rows(dots, two, k_ptr + table[blk] * block_stride + kv_head * D, token_stride,
+                           std::clamp<int64_t>(ctx_a - at, 0, block_size), std::min(block_size, ctx_b - at), scale,
+                           row + at, two ? row + ctx_max + at : nullptr);
         }
       }
     }
