@@ -1,7 +1,13 @@
 // What the CPU attention kernels share (paged_attention.cpp: decode; paged_prefill.cpp:
-// prefill): the softmax's row operations, the AVX-512 loads, dot products and score
+// prefill): the softmax's row operations, the vector loads, dot products and score
 // reduction. A token's attention output must be the same bits whichever kernel computes it,
 // so every operation that touches its numbers lives here, once.
+//
+// The vector kernels are written once over `vfloat`, kLanes fp32 lanes: 16 (__m512) in an
+// AVX-512 build, 8 (__m256) in an AVX2 build (with FMA and F16C, as every AVX2 CPU since
+// Haswell has). A build with neither runs the portable decode kernel. Bits agree between the
+// kernels of one build; an AVX2 build's bits differ from an AVX-512 build's (the lanes add up
+// in another tree).
 #pragma once
 
 #include <ATen/Dispatch.h>
@@ -10,7 +16,8 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#define PDSERVE_VECTOR_ATTENTION 1
 #include <immintrin.h>
 #endif
 
@@ -61,54 +68,140 @@ inline void touch_in_order(const T* p, int64_t count) {
   asm volatile("" : : "r"(sink));
 }
 
-// The largest of `len` >= 1 floats (exact in any order, so taken 16 at a time where the
-// build has AVX-512; std::max_element is not vectorised).
-inline float row_max(const float* s, int64_t len) {
+#if defined(PDSERVE_VECTOR_ATTENTION)
+// The vector operations the kernels are written in, one definition per instruction set.
+namespace simd {
+
 #if defined(__AVX512F__)
-  __m512 m = _mm512_set1_ps(s[0]);
+using vfloat = __m512;
+constexpr int64_t kLanes = 16;
+constexpr int64_t kAccumulators = 16;  // registers a kernel keeps sums in: half of the 32
+extern "C" __m512 _ZGVeN16v_expf(__m512);  // libmvec
+
+inline vfloat vzero() { return _mm512_setzero_ps(); }
+inline vfloat vset1(float x) { return _mm512_set1_ps(x); }
+inline vfloat vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vfloat vload(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline vfloat vload(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline void vstore(float* p, vfloat x) { _mm512_storeu_ps(p, x); }
+inline vfloat vadd(vfloat a, vfloat b) { return _mm512_add_ps(a, b); }
+inline vfloat vsub(vfloat a, vfloat b) { return _mm512_sub_ps(a, b); }
+inline vfloat vmul(vfloat a, vfloat b) { return _mm512_mul_ps(a, b); }
+inline vfloat vmax(vfloat a, vfloat b) { return _mm512_max_ps(a, b); }
+inline vfloat vfmadd(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }  // a * b + c
+inline __mmask16 first_lanes(int64_t n) { return static_cast<__mmask16>((1u << n) - 1); }
+// The first n (< kLanes) floats at p; the other lanes `fill`.
+inline vfloat vload_first(const float* p, int64_t n, vfloat fill) { return _mm512_mask_loadu_ps(fill, first_lanes(n), p); }
+inline void vstore_first(float* p, vfloat x, int64_t n) { _mm512_mask_storeu_ps(p, first_lanes(n), x); }
+inline vfloat vkeep_first(vfloat x, int64_t n) { return _mm512_maskz_mov_ps(first_lanes(n), x); }  // others 0
+inline float vsum(vfloat x) { return _mm512_reduce_add_ps(x); }
+inline float vmax_of(vfloat x) { return _mm512_reduce_max_ps(x); }
+inline vfloat vexp(vfloat x) { return _ZGVeN16v_expf(x); }
+// `x`, held in a register: a value loaded once and used by several FMAs is not folded into
+// each of them as a load of its own (which the compiler prefers, and which left weigh_block
+// bound by loads: 1.45x slower on a Zen 4 EPYC, benchmarks/README.md).
+inline vfloat in_register(vfloat x) {
+  asm("" : "+v"(x));
+  return x;
+}
+#else
+using vfloat = __m256;
+constexpr int64_t kLanes = 8;
+constexpr int64_t kAccumulators = 8;  // half of the 16 registers
+extern "C" __m256 _ZGVdN8v_expf(__m256);  // libmvec
+
+inline vfloat vzero() { return _mm256_setzero_ps(); }
+inline vfloat vset1(float x) { return _mm256_set1_ps(x); }
+inline vfloat vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vfloat vload(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline vfloat vload(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline void vstore(float* p, vfloat x) { _mm256_storeu_ps(p, x); }
+inline vfloat vadd(vfloat a, vfloat b) { return _mm256_add_ps(a, b); }
+inline vfloat vsub(vfloat a, vfloat b) { return _mm256_sub_ps(a, b); }
+inline vfloat vmul(vfloat a, vfloat b) { return _mm256_mul_ps(a, b); }
+inline vfloat vmax(vfloat a, vfloat b) { return _mm256_max_ps(a, b); }
+inline vfloat vfmadd(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
+inline __m256i first_lanes(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline vfloat vload_first(const float* p, int64_t n, vfloat fill) {
+  const __m256i m = first_lanes(n);
+  return _mm256_blendv_ps(fill, _mm256_maskload_ps(p, m), _mm256_castsi256_ps(m));
+}
+inline void vstore_first(float* p, vfloat x, int64_t n) {  // (vmaskmovps is slow: a plain store where it can)
+  if (n == kLanes) _mm256_storeu_ps(p, x);
+  else _mm256_maskstore_ps(p, first_lanes(n), x);
+}
+inline vfloat vkeep_first(vfloat x, int64_t n) { return _mm256_and_ps(x, _mm256_castsi256_ps(first_lanes(n))); }
+inline float vsum(vfloat x) {  // halves, then pairs of the four, then the two
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline float vmax_of(vfloat x) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+inline vfloat vexp(vfloat x) { return _ZGVdN8v_expf(x); }
+inline vfloat in_register(vfloat x) {
+  asm("" : "+x"(x));
+  return x;
+}
+#endif
+inline vfloat vload_first(const float* p, int64_t n) { return vload_first(p, n, vzero()); }
+
+}  // namespace simd
+#endif  // PDSERVE_VECTOR_ATTENTION
+
+// The largest of `len` >= 1 floats (exact in any order, so taken kLanes at a time where the
+// build has vectors; std::max_element is not vectorised).
+inline float row_max(const float* s, int64_t len) {
+#if defined(PDSERVE_VECTOR_ATTENTION)
+  using namespace simd;
+  vfloat m = vset1(s[0]);
   int64_t t = 0;
-  for (; t + 16 <= len; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + t));
-  if (t < len) m = _mm512_mask_max_ps(m, static_cast<__mmask16>((1u << (len - t)) - 1), m, _mm512_maskz_loadu_ps(
-      static_cast<__mmask16>((1u << (len - t)) - 1), s + t));
-  return _mm512_reduce_max_ps(m);
+  for (; t + kLanes <= len; t += kLanes) m = vmax(m, vload(s + t));
+  if (t < len) m = vmax(m, vload_first(s + t, len - t, m));
+  return vmax_of(m);
 #else
   return *std::max_element(s, s + len);
 #endif
 }
 
 // Each of `rows` rows of `len` scores becomes, in place, exp(score - the row's max); the
-// reciprocal of each row's sum goes to inv_sums[row]. With AVX-512 every element goes
-// through libmvec's 16-wide expf and the sum is taken 16 lanes at a time from the row's
-// first element, so a row's numbers never depend on where in memory it lies (a compiler's
-// vectorised loop may peel a few elements to align them, through scalar expf and into
-// another grouping of the sum: a prefill and a decode of one token then differed in the
+// reciprocal of each row's sum goes to inv_sums[row]. With vectors every element goes
+// through libmvec's kLanes-wide expf and the sum is taken kLanes lanes at a time from the
+// row's first element, so a row's numbers never depend on where in memory it lies (a
+// compiler's vectorised loop may peel a few elements to align them, through scalar expf and
+// into another grouping of the sum: a prefill and a decode of one token then differed in the
 // last bit).
-#if defined(__AVX512F__)
-extern "C" __m512 _ZGVeN16v_expf(__m512);  // libmvec
 inline void exp_rows(float* scores, int64_t rows, int64_t len, float* inv_sums) {
   for (int64_t h = 0; h < rows; ++h) {
     float* s = scores + h * len;
-    const __m512 max_score = _mm512_set1_ps(row_max(s, len));
-    __m512 sum = _mm512_setzero_ps();
+#if defined(PDSERVE_VECTOR_ATTENTION)
+    using namespace simd;
+    const vfloat max_score = vset1(row_max(s, len));
+    vfloat sum = vzero();
     int64_t t = 0;
-    for (; t + 16 <= len; t += 16) {
-      const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_loadu_ps(s + t), max_score));
-      _mm512_storeu_ps(s + t, e);
-      sum = _mm512_add_ps(sum, e);
+    for (; t + kLanes <= len; t += kLanes) {
+      const vfloat e = vexp(vsub(vload(s + t), max_score));
+      vstore(s + t, e);
+      sum = vadd(sum, e);
     }
     if (t < len) {
-      const __mmask16 m = static_cast<__mmask16>((1u << (len - t)) - 1);
-      const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), max_score));
-      _mm512_mask_storeu_ps(s + t, m, e);
-      sum = _mm512_mask_add_ps(sum, m, sum, e);
+      const vfloat e = vexp(vsub(vload_first(s + t, len - t), max_score));
+      vstore_first(s + t, e, len - t);
+      sum = vadd(sum, vkeep_first(e, len - t));
     }
-    inv_sums[h] = 1.f / _mm512_reduce_add_ps(sum);
-  }
-}
+    inv_sums[h] = 1.f / vsum(sum);
 #else
-inline void exp_rows(float* scores, int64_t rows, int64_t len, float* inv_sums) {
-  for (int64_t h = 0; h < rows; ++h) {
-    float* s = scores + h * len;
     const float max_score = row_max(s, len);
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -117,9 +210,9 @@ inline void exp_rows(float* scores, int64_t rows, int64_t len, float* inv_sums) 
       sum += s[t];
     }
     inv_sums[h] = 1.f / sum;
+#endif
   }
 }
-#endif
 
 // Each of `rows` rows of `len` scores, in place, becomes its softmax.
 inline void softmax_rows(float* scores, int64_t rows, int64_t len, std::vector<float>& inv_sums) {
@@ -152,62 +245,43 @@ struct Operands {
         token_stride(num_kv_heads * head_dim) {}
 };
 
-#if defined(__AVX512F__)
+#if defined(PDSERVE_VECTOR_ATTENTION)
 namespace simd {
 
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-// `x`, held in a register: a value loaded once and used by several FMAs is not folded into
-// each of them as a load of its own (which the compiler prefers, and which left weigh_block
-// bound by loads: 1.45x slower on a Zen 4 EPYC, benchmarks/README.md).
-inline __m512 in_register(__m512 x) {
-  asm("" : "+v"(x));
-  return x;
-}
-
-// A query row in fp32 registers, for score16_rows.
+// A query row in fp32 registers, for score_lanes_rows.
 template <typename T, int64_t D>
 struct Dot {
-  __m512 q[D / 16];
+  vfloat q[D / kLanes];
   explicit Dot(const T* query) {
-    for (int64_t c = 0; c < D / 16; ++c) q[c] = load16(query + 16 * c);
+    for (int64_t c = 0; c < D / kLanes; ++c) q[c] = vload(query + kLanes * c);
   }
 };
-
-
 
 // The first `count` tokens of one block of V (`value`: the first token's row of one kv head,
 // rows `token_stride` apart) weighed into NH fp32 output rows (`acc[j]`, D floats each) by
 // their probabilities (`probs[j][t]` for token t), token by token in order, one FMA per token
-// and 16 dims. Both kernels weigh fp32 and fp16 V through this one function (the decode
+// and kLanes dims. Both kernels weigh fp32 and fp16 V through this one function (the decode
 // kernel NH heads of a sequence, the prefill kernel rows of several queries that reach the
-// same tokens), so a token's output is the same bits in either; the NH x D/16 independent
-// chains keep the FMA units busy where one row's D/16 would wait on the FMA's latency.
+// same tokens), so a token's output is the same bits in either; the NH x D/kLanes independent
+// chains keep the FMA units busy where one row's D/kLanes would wait on the FMA's latency.
 template <typename T, int64_t D, int64_t NH>
 inline void weigh_block(const T* value, int64_t token_stride, int64_t count, const float* const (&probs)[NH],
                         float* const (&acc)[NH]) {
-  constexpr int64_t C = D / 16;
-  __m512 sum[NH][C];
+  constexpr int64_t C = D / kLanes;
+  vfloat sum[NH][C];
   for (int64_t j = 0; j < NH; ++j)
-    for (int64_t c = 0; c < C; ++c) sum[j][c] = _mm512_loadu_ps(acc[j] + 16 * c);
+    for (int64_t c = 0; c < C; ++c) sum[j][c] = vload(acc[j] + kLanes * c);
   for (int64_t i = 0; i < count; ++i, value += token_stride) {
-    __m512 v[C];
-    for (int64_t c = 0; c < C; ++c) v[c] = in_register(load16(value + 16 * c));
+    vfloat v[C];
+    for (int64_t c = 0; c < C; ++c)
+      v[c] = NH > 1 || kLanes == 16 ? in_register(vload(value + kLanes * c)) : vload(value + kLanes * c);
     for (int64_t j = 0; j < NH; ++j) {
-      const __m512 p = _mm512_set1_ps(probs[j][i]);
-      for (int64_t c = 0; c < C; ++c) sum[j][c] = _mm512_fmadd_ps(p, v[c], sum[j][c]);
+      const vfloat p = vset1(probs[j][i]);
+      for (int64_t c = 0; c < C; ++c) sum[j][c] = vfmadd(p, v[c], sum[j][c]);
     }
   }
   for (int64_t j = 0; j < NH; ++j)
-    for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(acc[j] + 16 * c, sum[j][c]);
+    for (int64_t c = 0; c < C; ++c) vstore(acc[j] + kLanes * c, sum[j][c]);
 }
 
 #if defined(__AVX512BF16__)
@@ -293,80 +367,107 @@ inline void score_rows(const __m512i* kt, const c10::BFloat16* q, int64_t q_stri
 }
 #endif
 
+// The steps of the tree that adds up a token's kLanes partial sums (score_lanes_rows): lanes
+// 4m+{0,2} and 4m+{1,3} of two tokens' vectors (pair_step), those two of two pairs
+// (quad_step: each 128-bit quarter then holds four tokens' sums of its lanes), then the
+// quarters of the kLanes / 4 quads pairwise (quarters_sum: lane t the sum for token t).
+inline vfloat pair_step(vfloat a, vfloat b) {
+#if defined(__AVX512F__)
+  return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+#else
+  return _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
+#endif
+}
+inline vfloat quad_step(vfloat a, vfloat b) {
+#if defined(__AVX512F__)
+  const __m512d x = _mm512_castps_pd(a), y = _mm512_castps_pd(b);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+#else
+  const __m256d x = _mm256_castps_pd(a), y = _mm256_castps_pd(b);
+  return _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)), _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+#endif
+}
+inline vfloat quarters_sum(const vfloat (&b)[kLanes / 4]) {
+#if defined(__AVX512F__)
+  __m512 c[2];
+  for (int j = 0; j < 2; ++j)
+    c[j] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * j], b[2 * j + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * j], b[2 * j + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+#else
+  return _mm256_add_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20), _mm256_permute2f128_ps(b[0], b[1], 0x31));
+#endif
+}
+
 // The scaled scores of R query heads of one kv head (`dots[r]`: their q rows) against `n` <=
-// 16 consecutive cached tokens (`key`: the first one's row for that kv head), stored to
-// outs[r][0..n): per token and head 16 partial sums (lane l: q.k over dims l, l+16, ... in
-// order, from a product), then the 16 lanes added by a fixed tree of in-register transposes
-// (the sums of lanes 4m+{0,2} and 4m+{1,3}, then those two, then the four 128-bit quarters
-// pairwise and the two halves), built up four tokens at a time so that the R heads share
-// each load of a key row (R = 2 halves the loads that the FMAs feed on). Both kernels score
-// through this one function and a score's association is the same whatever R is, so a
-// token's scores are the same bits in a decode and in a prefill, with one head or two.
+// kLanes consecutive cached tokens (`key`: the first one's row for that kv head), stored to
+// outs[r][0..n): per token and head kLanes partial sums (lane l: q.k over dims l, l+kLanes,
+// ... in order, from a product), then the lanes added by a fixed tree of in-register
+// transposes (pair_step, quad_step, quarters_sum), built up four tokens at a time so that the
+// R heads share each load of a key row (R = 2 halves the loads that the FMAs feed on). Both
+// kernels score through this one function and a score's association is the same whatever R
+// is, so a token's scores are the same bits in a decode and in a prefill, with one head or two.
 template <int R, typename T, int64_t D>
-inline void score16_rows(const Dot<T, D>* dots, const T* key, int64_t token_stride, int64_t n, float scale,
-                         float* const (&outs)[R]) {
-  constexpr int64_t C = D / 16;
-  __m512 b[R][4];
-  for (int quad = 0; quad < 4; ++quad) {  // tokens 4 quad .. 4 quad + 3
-    __m512 a[R][2];
+inline void score_lanes_rows(const Dot<T, D>* dots, const T* key, int64_t token_stride, int64_t n, float scale,
+                             float* const (&outs)[R]) {
+  constexpr int64_t C = D / kLanes;
+  constexpr bool kHoldKeys = R > 1 || kLanes == 16;  // AVX2 with one row: q stays in registers, k comes from memory
+  vfloat b[R][kLanes / 4];
+  for (int quad = 0; quad < kLanes / 4; ++quad) {  // tokens 4 quad .. 4 quad + 3
+    vfloat a[R][2];
     for (int pair = 0; pair < 2; ++pair) {
-      __m512 v[2][R];
+      vfloat v[2][R];
       for (int u = 0; u < 2; ++u) {
         const int64_t t = 4 * quad + 2 * pair + u;
-        if (n < 16 && t >= n) {  // past the tokens: zero partial sums (the common n = 16 skips the test)
-          for (int r = 0; r < R; ++r) v[u][r] = _mm512_setzero_ps();
+        if (n < kLanes && t >= n) {  // past the tokens: zero partial sums (the common n = kLanes skips the test)
+          for (int r = 0; r < R; ++r) v[u][r] = vzero();
           continue;
         }
-        __m512 k[C];
-        for (int64_t c = 0; c < C; ++c) k[c] = in_register(load16(key + t * token_stride + 16 * c));
+        vfloat k[C];
+        for (int64_t c = 0; c < C; ++c)
+          k[c] = kHoldKeys ? in_register(vload(key + t * token_stride + kLanes * c)) : vload(key + t * token_stride + kLanes * c);
         for (int r = 0; r < R; ++r) {
-          __m512 acc = _mm512_mul_ps(dots[r].q[0], k[0]);
-          for (int64_t c = 1; c < C; ++c) acc = _mm512_fmadd_ps(dots[r].q[c], k[c], acc);
+          vfloat acc = vmul(dots[r].q[0], k[0]);
+          for (int64_t c = 1; c < C; ++c) acc = vfmadd(dots[r].q[c], k[c], acc);
           v[u][r] = acc;
         }
       }
-      for (int r = 0; r < R; ++r)  // the tree's first step, for the pair's two tokens
-        a[r][pair] = _mm512_add_ps(_mm512_unpacklo_ps(v[0][r], v[1][r]), _mm512_unpackhi_ps(v[0][r], v[1][r]));
+      for (int r = 0; r < R; ++r) a[r][pair] = pair_step(v[0][r], v[1][r]);
     }
-    for (int r = 0; r < R; ++r) {  // its second, for the four tokens
-      const __m512d x = _mm512_castps_pd(a[r][0]), y = _mm512_castps_pd(a[r][1]);
-      b[r][quad] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    }
+    for (int r = 0; r < R; ++r) b[r][quad] = quad_step(a[r][0], a[r][1]);
   }
-  const __m512 sc = _mm512_set1_ps(scale);
-  for (int r = 0; r < R; ++r) {  // its last two
-    __m512 c[2];
-    for (int j = 0; j < 2; ++j)
-      c[j] = _mm512_add_ps(_mm512_shuffle_f32x4(b[r][2 * j], b[r][2 * j + 1], 0x88),
-                           _mm512_shuffle_f32x4(b[r][2 * j], b[r][2 * j + 1], 0xDD));
-    const __m512 sum = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
-    _mm512_mask_storeu_ps(outs[r], static_cast<__mmask16>((1u << n) - 1), _mm512_mul_ps(sum, sc));
-  }
+  const vfloat sc = vset1(scale);
+  for (int r = 0; r < R; ++r) vstore_first(outs[r], vmul(quarters_sum(b[r]), sc), n);
 }
+
+// Whether two rows share each load of a key (score_lanes_rows<2>): with AVX-512's 32
+// registers; AVX2's 16 cannot hold two rows of q beside the key, and its loads then outnumber
+// its FMAs, so there each row is scored alone.
+constexpr bool kPairRows = kLanes == 16;
 
 // Two query heads of one kv head (`dots[0]`, `dots[1]`; `two` false: the first alone) scored
 // against the tokens of one block (`key`: its first token's row for that kv head), the first
 // against `count_a` of them into out_a, the second against `count_b` >= count_a into out_b:
-// 16 at a time, both heads together where they take the same tokens.
+// kLanes at a time, both heads together where they take the same tokens.
 template <typename T, int64_t D>
 inline void score_block_rows(const Dot<T, D> (&dots)[2], bool two, const T* key, int64_t token_stride,
                              int64_t count_a, int64_t count_b, float scale, float* out_a, float* out_b) {
   const int64_t count = two ? count_b : count_a;
-  for (int64_t i0 = 0; i0 < count; i0 += 16) {
-    const int64_t na = std::clamp<int64_t>(count_a - i0, 0, 16), nb = two ? std::min<int64_t>(count_b - i0, 16) : 0;
+  for (int64_t i0 = 0; i0 < count; i0 += kLanes) {
+    const int64_t na = std::clamp<int64_t>(count_a - i0, 0, kLanes), nb = two ? std::min<int64_t>(count_b - i0, kLanes) : 0;
     const T* k = key + i0 * token_stride;
-    if (nb == na) {
+    if (nb == na && kPairRows) {
       float* const outs[2] = {out_a + i0, out_b + i0};
-      score16_rows<2>(dots, k, token_stride, na, scale, outs);
+      score_lanes_rows<2>(dots, k, token_stride, na, scale, outs);
       continue;
     }
     if (na > 0) {
       float* const outs[1] = {out_a + i0};
-      score16_rows<1>(dots, k, token_stride, na, scale, outs);
+      score_lanes_rows<1>(dots, k, token_stride, na, scale, outs);
     }
     if (nb > 0) {
       float* const outs[1] = {out_b + i0};
-      score16_rows<1>(dots + 1, k, token_stride, nb, scale, outs);
+      score_lanes_rows<1>(dots + 1, k, token_stride, nb, scale, outs);
     }
   }
 }
@@ -440,6 +541,6 @@ inline float exp_row_to_bf16(const float* s, int64_t len, uint16_t* o) {
 #endif
 
 }  // namespace simd
-#endif  // __AVX512F__
+#endif  // PDSERVE_VECTOR_ATTENTION
 
 }  // namespace pdserve_attention

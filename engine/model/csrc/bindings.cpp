@@ -10,6 +10,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                      torch::Tensor block_tables, torch::Tensor ctx_lens, double scale);
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                       torch::Tensor block_table, int64_t start_pos, double scale, int64_t tile_size);
+bool tiled_prefill();
 torch::Tensor add_rms_norm(torch::Tensor hidden, c10::optional<torch::Tensor> delta, torch::Tensor weight,
                            double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
@@ -25,11 +26,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "one sequence's chunk attended to its cached prefix, in tiles of queries; each token the same bits as "
         "paged_decode_attention gives it");
-#if defined(__AVX512F__)
-  m.attr("tiled_prefill") = true;  // paged_prefill_attention tiles head sizes 16/32/64/128
-#else
-  m.attr("tiled_prefill") = false;  // it runs every token through the decode kernel
-#endif
+  // whether paged_prefill_attention tiles head sizes 16/32/64/128 (else every token runs through the decode kernel)
+  m.attr("tiled_prefill") = tiled_prefill();
   m.def("add_rms_norm", &add_rms_norm, "hidden += delta (if given) in place, then RMSNorm(hidden)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [rows, 2I] gate and up side by side");
   m.attr("panel_linear_dtypes") = panel_linear_dtypes();  // the dtypes panel_linear runs in here

@@ -76,8 +76,8 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
 }
 
 
-#if defined(__AVX512F__)
-// The AVX-512 kernel: the same contract as decode_attention_impl, restructured so that the
+#if defined(PDSERVE_VECTOR_ATTENTION)
+// The vector kernel (AVX-512 or AVX2): the same contract as decode_attention_impl, restructured so that the
 // step is bound by reading K/V rather than by arithmetic, and so that those reads stream.
 //  - Each sequence is walked block by block, its K blocks then its V blocks, and each block
 //    (all kv heads' rows of its tokens: one contiguous run) is read in one visit
@@ -89,9 +89,10 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
 //  - Scores in bf16 with avx512_bf16: keys in lanes (score_sequence_bf16): each group of up
 //    to 16 cached tokens of a kv head is transposed once into bf16 pairs, and every score of
 //    the group's query heads is one chain of vdpbf16ps with the query's pair broadcast, four
-//    key groups at a time. Other dtypes (score_sequence): 16 cached tokens at a time for two
-//    query heads of a kv head, each token's q.k a vector of 16 partial sums reduced together
-//    by one transpose-and-add tree (score16_rows), the two heads sharing each load of a key.
+//    key groups at a time. Other dtypes, and bf16 without avx512_bf16 (score_sequence): kLanes
+//    cached tokens at a time for two query heads of a kv head (one with AVX2), each token's
+//    q.k a vector of kLanes partial sums reduced together by one transpose-and-add tree
+//    (score_lanes_rows), the two heads sharing each load of a key.
 //  - Values: every head's fp32 output row lives in memory between blocks (loading and
 //    storing it changes no bits) and in registers while a block is weighed, up to 4 heads of
 //    a kv head's group at a time. In bf16 with avx512_bf16 the exps are rounded to bf16 in
@@ -130,7 +131,7 @@ struct SequenceBlocks {
 
 // The scaled scores of every query head (`q`: the sequence's [heads][D] rows) against the
 // sequence's first `ctx` cached tokens, into `scores` [heads][ctx]: per block, the heads of
-// each kv head two at a time (score_block_rows), 16 tokens at a time.
+// each kv head two at a time (score_block_rows), kLanes tokens at a time.
 template <typename T, int64_t D>
 inline void score_sequence(const T* q, const SequenceBlocks<T>& blocks, int64_t num_heads, int64_t group,
                            int64_t block_size, int64_t token_stride, int64_t ctx, float scale, float* scores) {
@@ -237,8 +238,8 @@ inline void score_sequence_bf16(const c10::BFloat16* q, const SequenceBlocks<c10
 // block, into fp32 rows that are rounded to T once at the end.
 template <typename T, int64_t D>
 void decode_range(const Operands<T>& o, float scale, int64_t begin, int64_t end) {
-  constexpr int64_t C = D / 16;                                  // vectors per head row
-  constexpr int64_t PASS = std::min<int64_t>(4, 16 / C);         // heads weighed together: <= 16 accumulators
+  constexpr int64_t C = D / kLanes;                                     // vectors per head row
+  constexpr int64_t PASS = std::clamp<int64_t>(kAccumulators / C, 1, 4);  // heads weighed together
 #if defined(__AVX512BF16__)
   constexpr bool kPairedValues = std::is_same_v<T, c10::BFloat16> && D % 32 == 0;
   constexpr bool kKeysInLanes = std::is_same_v<T, c10::BFloat16>;
@@ -305,10 +306,9 @@ void decode_range(const Operands<T>& o, float scale, int64_t begin, int64_t end)
     }
     for (int64_t h = 0; h < num_heads; ++h) {
       T* out = o.out + (b * num_heads + h) * D;
-      const __m512 norm = _mm512_set1_ps(kPairedValues ? inv_sums[h] : 1.f);
+      const vfloat norm = vset1(kPairedValues ? inv_sums[h] : 1.f);
       for (int64_t c = 0; c < C; ++c)
-        _mm512_store_ps(row + 16 * c, kPairedValues ? _mm512_mul_ps(_mm512_loadu_ps(&acc[h * D + 16 * c]), norm)
-                                                    : _mm512_loadu_ps(&acc[h * D + 16 * c]));
+        vstore(row + kLanes * c, kPairedValues ? vmul(vload(&acc[h * D + kLanes * c]), norm) : vload(&acc[h * D + kLanes * c]));
       for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T>(row[d]);
     }
   }
@@ -324,16 +324,16 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
 }
 
 }  // namespace fast
-#endif  // __AVX512F__
+#endif  // PDSERVE_VECTOR_ATTENTION
 
 }  // namespace
 
-// The AVX-512 kernel where this build has it (fp32, bf16 and fp16), the portable one otherwise.
+// The vector kernel where this build has one (fp32, bf16 and fp16), the portable one otherwise.
 template <typename T, int64_t D>
 void fast_or_portable(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_tables, const at::Tensor& ctx_lens, double scale,
                       at::Tensor& out) {
-#if defined(__AVX512F__)
+#if defined(PDSERVE_VECTOR_ATTENTION)
   if constexpr (!std::is_same_v<T, double>)
     fast::decode_attention<T, D>(q, k_cache, v_cache, block_tables, ctx_lens, scale, out);
   else
@@ -355,7 +355,7 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
   auto out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     switch (q.size(2)) {
-#if defined(__AVX512F__)
+#if defined(PDSERVE_VECTOR_ATTENTION)
       case 16: fast_or_portable<scalar_t, 16>(q, k_cache, v_cache, tables, lens, scale, out); break;
       case 32: fast_or_portable<scalar_t, 32>(q, k_cache, v_cache, tables, lens, scale, out); break;
 #endif

@@ -3,8 +3,8 @@
 // already (the chunk's K/V is written before attention runs).
 //
 // Token identity. Every query's output is computed by exactly the arithmetic the decode
-// kernel (paged_attention.cpp, AVX-512 path) applies to a sequence of that context length:
-// the same scores (bf16: score_rows, keys in lanes; else score16_rows), the same two-pass softmax
+// kernel (paged_attention.cpp, its vector path) applies to a sequence of that context length:
+// the same scores (bf16: score_rows, keys in lanes; else score_lanes_rows), the same two-pass softmax
 // over the row (bf16: exp_row_to_bf16, the weighted sum scaled by 1/sum at the end), the
 // same accumulation of probabilities times V token by token in position order (in bf16:
 // the same pairs of tokens per vdpbf16ps, a block's odd last token against a zero row). So a
@@ -46,7 +46,7 @@ struct TileBuffers {
 // The k-th tile to run of `num_tiles`, in the balanced order: 0, n-1, 1, n-2, ...
 inline int64_t balanced_tile(int64_t k, int64_t num_tiles) { return k % 2 == 0 ? k / 2 : num_tiles - 1 - k / 2; }
 
-#if defined(__AVX512F__)
+#if defined(PDSERVE_VECTOR_ATTENTION)
 namespace fast {
 
 using namespace pdserve_attention::simd;
@@ -243,14 +243,14 @@ inline void prefill_tile_bf16(const c10::BFloat16* q_ptr, const c10::BFloat16* k
 // not a block's 16 floats here and there in a buffer of megabytes (at 6,144 tokens, the
 // probabilities times V ran 1.5x slower that way, waiting on those reads). Per token the
 // arithmetic is the decode kernel's: its scores (bf16: score_rows, keys in lanes; else
-// score16_rows, two rows per load of a key), softmax_rows over the row, and V weighed token
+// score_lanes_rows, two rows per load of a key with AVX-512), softmax_rows over the row, and V weighed token
 // by token in position order (weigh_block, kRowsF rows that take the same tokens at a time).
 template <typename T, int64_t D>
 inline void prefill_tile(const T* q_ptr, const T* k_ptr, const T* v_ptr, const int64_t* table, T* out_ptr, int64_t q0,
                          int64_t nq, int64_t start_pos, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
                          float scale, TileBuffers& buf) {
-  constexpr int64_t C = D / 16;                               // vectors per head row
-  constexpr int64_t kRowsF = std::min<int64_t>(8, 16 / C);   // rows weighed together: <= 16 accumulators
+  constexpr int64_t C = D / kLanes;  // vectors per head row
+  constexpr int64_t kRowsF = std::clamp<int64_t>(kAccumulators / C, 1, 8);  // rows weighed together
   const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * D;
   const int64_t block_stride = block_size * token_stride, rows = nq * group;
   const int64_t ctx0 = start_pos + q0 + 1, ctx_max = start_pos + q0 + nq;  // the first and last query's context
@@ -295,7 +295,7 @@ inline void prefill_tile(const T* q_ptr, const T* k_ptr, const T* v_ptr, const i
       for (int64_t t = 0; t < span_tokens; ++t) {  // the span's V rows of this kv head, in fp32
         const int64_t pos = first + t;
         const T* value = v_ptr + table[pos / block_size] * block_stride + (pos % block_size) * token_stride + kv_head * D;
-        for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(&buf.values[t * D + 16 * c], load16(value + 16 * c));
+        for (int64_t c = 0; c < C; ++c) vstore(&buf.values[t * D + kLanes * c], vload(value + kLanes * c));
       }
       for (int64_t b = blk1; b < std::min(num_blocks, blk1 + span_blocks); ++b)
         prefetch_row(v_ptr + table[b] * block_stride + kv_head * D, block_stride - kv_head * D);
@@ -354,9 +354,18 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
 }
 
 }  // namespace fast
-#endif  // __AVX512F__
+#endif  // PDSERVE_VECTOR_ATTENTION
 
 }  // namespace
+
+// Whether this build tiles the prefill (a vector build: AVX-512, or AVX2 with FMA and F16C).
+bool tiled_prefill() {
+#if defined(PDSERVE_VECTOR_ATTENTION)
+  return true;
+#else
+  return false;
+#endif
+}
 
 at::Tensor paged_prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
                                    int64_t start_pos, double scale, int64_t tile_size) {
@@ -372,7 +381,7 @@ at::Tensor paged_prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor 
   auto table = block_table.contiguous();
   auto out = at::empty_like(q);
   bool done = false;
-#if defined(__AVX512F__)
+#if defined(PDSERVE_VECTOR_ATTENTION)
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_prefill_attention", [&] {
     if constexpr (!std::is_same_v<scalar_t, double>) {
       done = true;
