@@ -21,7 +21,11 @@ runs each step shape on the offline engine (the embedded SmolLM2-135M, prefix ca
 chunks of `--chunk` tokens), times where its model time goes, and writes
 benchmarks/results/roofline.json (+ .png): per shape and dtype the floor of each part, the
 measured time of each, and the fractions; the CPU's flags say which kernels ran (AVX-512,
-avx512_bf16, or the AVX2 build).
+avx512_bf16, or the AVX2 build), unless `isa_limits` records a narrower build. An AVX2 CPU's
+engine, measured on this one:
+
+    PDSERVE_CPU_KERNEL_MARCH=haswell ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 \
+        .venv/bin/python benchmarks/roofline.py --dtypes float32
 """
 
 from __future__ import annotations
@@ -257,6 +261,15 @@ def cpu_flags() -> list[str]:
     return sorted({f for f in flags.split(":", 1)[1].split() if f.startswith(("avx", "amx", "fma"))})
 
 
+# What narrows the instruction set below the CPU's flags, to measure an older CPU's engine here:
+# the kernels' -march (PDSERVE_CPU_KERNEL_MARCH=haswell: AVX2), oneDNN's and ATen's ISA.
+ISA_LIMITS = ("PDSERVE_CPU_KERNEL_MARCH", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+
+
+def isa_limits() -> dict[str, str]:
+    return {name: os.environ[name] for name in ISA_LIMITS if os.environ.get(name)}
+
+
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from benchmarks.report import grouped_bars, panels, write
@@ -278,6 +291,7 @@ def main() -> None:
     # before each dtype and at the end, and the floors use the highest (the strictest floor)
     bandwidths = [memory_bandwidth()["bandwidth_gb_s"]]
     result: dict = {"setup": {"cores": os.cpu_count(), "threads": torch.get_num_threads(), "cpu_flags": cpu_flags(),
+                              "isa_limits": isa_limits(),
                               "load_average": os.getloadavg(), "chunk": args.chunk, "context": args.context,
                               "matmul_peak_gflop_s": {}},
                     "shapes": {}}
