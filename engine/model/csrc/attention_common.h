@@ -85,7 +85,9 @@ inline vfloat vload(const c10::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
-inline vfloat vload(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline vfloat vload(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 inline void vstore(float* p, vfloat x) { _mm512_storeu_ps(p, x); }
 inline vfloat vadd(vfloat a, vfloat b) { return _mm512_add_ps(a, b); }
 inline vfloat vsub(vfloat a, vfloat b) { return _mm512_sub_ps(a, b); }
@@ -94,7 +96,9 @@ inline vfloat vmax(vfloat a, vfloat b) { return _mm512_max_ps(a, b); }
 inline vfloat vfmadd(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }  // a * b + c
 inline __mmask16 first_lanes(int64_t n) { return static_cast<__mmask16>((1u << n) - 1); }
 // The first n (< kLanes) floats at p; the other lanes `fill`.
-inline vfloat vload_first(const float* p, int64_t n, vfloat fill) { return _mm512_mask_loadu_ps(fill, first_lanes(n), p); }
+inline vfloat vload_first(const float* p, int64_t n, vfloat fill) {
+  return _mm512_mask_loadu_ps(fill, first_lanes(n), p);
+}
 inline void vstore_first(float* p, vfloat x, int64_t n) { _mm512_mask_storeu_ps(p, first_lanes(n), x); }
 inline vfloat vkeep_first(vfloat x, int64_t n) { return _mm512_maskz_mov_ps(first_lanes(n), x); }  // others 0
 inline float vsum(vfloat x) { return _mm512_reduce_add_ps(x); }
@@ -120,7 +124,9 @@ inline vfloat vload(const c10::BFloat16* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
-inline vfloat vload(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline vfloat vload(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 inline void vstore(float* p, vfloat x) { _mm256_storeu_ps(p, x); }
 inline vfloat vadd(vfloat a, vfloat b) { return _mm256_add_ps(a, b); }
 inline vfloat vsub(vfloat a, vfloat b) { return _mm256_sub_ps(a, b); }
@@ -428,8 +434,9 @@ inline void score_lanes_rows(const Dot<T, D>* dots, const T* key, int64_t token_
           continue;
         }
         vfloat k[C];
+        const T* row = key + t * token_stride;
         for (int64_t c = 0; c < C; ++c)
-          k[c] = kHoldKeys ? in_register(vload(key + t * token_stride + kLanes * c)) : vload(key + t * token_stride + kLanes * c);
+          k[c] = kHoldKeys ? in_register(vload(row + kLanes * c)) : vload(row + kLanes * c);
         for (int r = 0; r < R; ++r) {
           vfloat acc = vmul(dots[r].q[0], k[0]);
           for (int64_t c = 1; c < C; ++c) acc = vfmadd(dots[r].q[c], k[c], acc);
@@ -458,7 +465,8 @@ inline void score_block_rows(const Dot<T, D> (&dots)[2], bool two, const T* key,
                              int64_t count_a, int64_t count_b, float scale, float* out_a, float* out_b) {
   const int64_t count = two ? count_b : count_a;
   for (int64_t i0 = 0; i0 < count; i0 += kLanes) {
-    const int64_t na = std::clamp<int64_t>(count_a - i0, 0, kLanes), nb = two ? std::min<int64_t>(count_b - i0, kLanes) : 0;
+    const int64_t na = std::clamp<int64_t>(count_a - i0, 0, kLanes);
+    const int64_t nb = two ? std::min<int64_t>(count_b - i0, kLanes) : 0;
     const T* k = key + i0 * token_stride;
     if (nb == na && kPairRows) {
       float* const outs[2] = {out_a + i0, out_b + i0};

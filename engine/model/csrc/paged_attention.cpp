@@ -307,8 +307,10 @@ void decode_range(const Operands<T>& o, float scale, int64_t begin, int64_t end)
     for (int64_t h = 0; h < num_heads; ++h) {
       T* out = o.out + (b * num_heads + h) * D;
       const vfloat norm = vset1(kPairedValues ? inv_sums[h] : 1.f);
-      for (int64_t c = 0; c < C; ++c)
-        vstore(row + kLanes * c, kPairedValues ? vmul(vload(&acc[h * D + kLanes * c]), norm) : vload(&acc[h * D + kLanes * c]));
+      for (int64_t c = 0; c < C; ++c) {
+        const vfloat sum = vload(&acc[h * D + kLanes * c]);
+        vstore(row + kLanes * c, kPairedValues ? vmul(sum, norm) : sum);
+      }
       for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T>(row[d]);
     }
   }
