@@ -162,6 +162,14 @@ inline vfloat in_register(vfloat x) {
 }
 #endif
 inline vfloat vload_first(const float* p, int64_t n) { return vload_first(p, n, vzero()); }
+// A row's vector loaded for `Users` FMAs: held in a register (in_register) where several
+// rows share it, or with AVX-512's 32 registers; with AVX2 and one user, left for the
+// compiler to fold into the FMA, so the other operand can stay in registers instead.
+template <int64_t Users, typename T>
+inline vfloat load_for(const T* p) {
+  if constexpr (Users > 1 || kLanes == 16) return in_register(vload(p));
+  else return vload(p);
+}
 
 }  // namespace simd
 #endif  // PDSERVE_VECTOR_ATTENTION
@@ -279,8 +287,7 @@ inline void weigh_block(const T* value, int64_t token_stride, int64_t count, con
     for (int64_t c = 0; c < C; ++c) sum[j][c] = vload(acc[j] + kLanes * c);
   for (int64_t i = 0; i < count; ++i, value += token_stride) {
     vfloat v[C];
-    for (int64_t c = 0; c < C; ++c)
-      v[c] = NH > 1 || kLanes == 16 ? in_register(vload(value + kLanes * c)) : vload(value + kLanes * c);
+    for (int64_t c = 0; c < C; ++c) v[c] = load_for<NH>(value + kLanes * c);
     for (int64_t j = 0; j < NH; ++j) {
       const vfloat p = vset1(probs[j][i]);
       for (int64_t c = 0; c < C; ++c) sum[j][c] = vfmadd(p, v[c], sum[j][c]);
@@ -421,7 +428,6 @@ template <int R, typename T, int64_t D>
 inline void score_lanes_rows(const Dot<T, D>* dots, const T* key, int64_t token_stride, int64_t n, float scale,
                              float* const (&outs)[R]) {
   constexpr int64_t C = D / kLanes;
-  constexpr bool kHoldKeys = R > 1 || kLanes == 16;  // AVX2 with one row: q stays in registers, k comes from memory
   vfloat b[R][kLanes / 4];
   for (int quad = 0; quad < kLanes / 4; ++quad) {  // tokens 4 quad .. 4 quad + 3
     vfloat a[R][2];
@@ -435,8 +441,7 @@ inline void score_lanes_rows(const Dot<T, D>* dots, const T* key, int64_t token_
         }
         vfloat k[C];
         const T* row = key + t * token_stride;
-        for (int64_t c = 0; c < C; ++c)
-          k[c] = kHoldKeys ? in_register(vload(row + kLanes * c)) : vload(row + kLanes * c);
+        for (int64_t c = 0; c < C; ++c) k[c] = load_for<R>(row + kLanes * c);
         for (int r = 0; r < R; ++r) {
           vfloat acc = vmul(dots[r].q[0], k[0]);
           for (int64_t c = 1; c < C; ++c) acc = vfmadd(dots[r].q[c], k[c], acc);
