@@ -95,7 +95,7 @@ def decode_step_pdserve(llm, batch: int, context: int, steps: int) -> dict:
     spent = {"forward": [], "attention": [], "linear": [], "lm_head": []}
     model = engine.loaded.model
     originals = {"forward": model.forward, "attention": llama.paged_attention, "linear": llama.linear,
-                 "lm_head": model.compute_logits}
+                 "gated": llama.gated_linear, "lm_head": model.compute_logits}
 
     in_forward = []  # the LM head's linear (compute_logits) runs outside the forward
 
@@ -107,11 +107,12 @@ def decode_step_pdserve(llm, batch: int, context: int, steps: int) -> dict:
                 return originals[name](*args, **kwargs)
             finally:
                 if name in ("forward", "lm_head") or "forward" in in_forward[:-1]:
-                    spent[name].append(time.perf_counter() - t)
+                    spent["linear" if name == "gated" else name].append(time.perf_counter() - t)
                 in_forward.pop()
         return run
 
     model.forward, llama.paged_attention, llama.linear = timed("forward"), timed("attention"), timed("linear")
+    llama.gated_linear = timed("gated")  # the gate/up product (its silu epilogue too): a linear
     model.compute_logits = timed("lm_head")
     step_times = []
     try:
@@ -120,7 +121,8 @@ def decode_step_pdserve(llm, batch: int, context: int, steps: int) -> dict:
             engine.step()
             step_times.append(time.perf_counter() - t)
     finally:
-        model.forward, llama.paged_attention, llama.linear = (originals[k] for k in ("forward", "attention", "linear"))
+        model.forward, llama.paged_attention, llama.linear, llama.gated_linear = (
+            originals[k] for k in ("forward", "attention", "linear", "gated"))
         del model.compute_logits  # the instance attribute shadowed the method
         for request_id in ids:
             engine.abort_request(request_id)

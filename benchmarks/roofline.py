@@ -154,8 +154,9 @@ def decode_floor(model, batch: int, context: float, bandwidth: float, peak: floa
 
 
 class PartTimer:
-    """Wall time spent in the model's attention, its linear layers (the LM head's included)
-    and its whole forward, while installed (a context manager)."""
+    """Wall time spent in the model's attention, its linear layers (the LM head's included,
+    and the gated gate/up product with its silu epilogue) and its whole forward, while
+    installed (a context manager)."""
 
     def __init__(self, model) -> None:
         import pdserve.engine.model.llama as llama
@@ -180,15 +181,16 @@ class PartTimer:
 
     def __enter__(self):
         llama, model = self.llama, self.model
-        self.saved = (llama.paged_attention, llama.linear, model.forward)
+        self.saved = (llama.paged_attention, llama.linear, llama.gated_linear, model.forward)
         llama.paged_attention = self._timed("attention", llama.paged_attention)
         llama.linear = self._timed("linear", llama.linear)
+        llama.gated_linear = self._timed("linear", llama.gated_linear)
         model.forward = self._timed("forward", model.forward)
         model.compute_logits = self._timed("lm_head", model.compute_logits)
         return self
 
     def __exit__(self, *exc) -> None:
-        self.llama.paged_attention, self.llama.linear, self.model.forward = self.saved
+        self.llama.paged_attention, self.llama.linear, self.llama.gated_linear, self.model.forward = self.saved
         del self.model.compute_logits  # the instance attribute shadowed the method
 
     def parts_ms(self, steps: int = 1) -> dict:

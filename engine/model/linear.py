@@ -1,7 +1,10 @@
 """Linear layers, with weights pre-packed on the CPU: into panels for the engine's own kernel
 where the CPU has AVX-512 (avx512_bf16 for bf16) and no AMX, otherwise for oneDNN.
 
-With AVX-512: `panel_linear` (csrc/panel_linear.cpp) on a `PanelWeight`, in bf16 and fp32.
+With AVX-512: `panel_linear` (csrc/panel_linear.cpp) on a `PanelWeight`, in bf16 and fp32;
+SwiGLU's gate and up projections as one gated PanelWeight whose product `gated_linear` ends
+in silu(gate) * up while each panel's outputs sit in L1 (`panel_silu_mul`, the bits of the
+product followed by `silu_mul`).
 It gives oneDNN's bits (the same summation order, which it documents) at every row count,
 so a worker that cannot build the kernels computes what one that can does, and it streams
 the weights faster at decode's few rows (benchmarks/linear_bf16.py compares the two).
@@ -33,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pdserve.engine.model.fused import silu_mul
 from pdserve.engine.model.kernels import cpu_kernels
 
 logger = logging.getLogger(__name__)
@@ -55,11 +59,14 @@ _HAS_AMX = cpu_has_amx()  # oneDNN's bf16 rows then need chunking, and its produ
 @dataclass(frozen=True)
 class PanelWeight:
     """A bf16 or fp32 weight `[out_features, in_features]` in the panels of the CPU kernel's
-    `panel_linear` (`pack_panels`: out_features padded to a multiple of 48)."""
+    `panel_linear` (`pack_panels`: out_features padded to a multiple of 48), or, `gated`, the
+    gate and up projections stacked (`out_features` = 2 x intermediate) in `panel_silu_mul`'s
+    pairs of panels (`pack_gated_panels`), for `gated_linear` only."""
 
     panels: torch.Tensor
     out_features: int
     in_features: int
+    gated: bool = False
 
     def numel(self) -> int:
         """Elements of the weight it packs (as a tensor's numel: what rooflines count)."""
@@ -102,6 +109,27 @@ def pack(weight: torch.Tensor) -> torch.Tensor | PanelWeight:
         return weight
 
 
+def pack_gated(gate_up: torch.Tensor) -> torch.Tensor | PanelWeight:
+    """SwiGLU's gate and up projections stacked (`[2 * intermediate, in]`) in the layout
+    `gated_linear` runs fastest with here: a gated PanelWeight where `pack` makes panels,
+    else what `pack` makes."""
+    kernels = _panel_kernels(gate_up)
+    if kernels is not None and gate_up.shape[0] % 2 == 0:
+        return PanelWeight(kernels.pack_gated_panels(gate_up), gate_up.shape[0], gate_up.shape[1], gated=True)
+    return pack(gate_up)
+
+
+def gated_linear(x: torch.Tensor, gate_up: torch.Tensor | PanelWeight,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """SwiGLU's `silu(gate) * up` of `linear(x, gate_up, bias)` (gate's outputs then up's): on a
+    gated PanelWeight in one pass, with the bits of the product followed by `silu_mul`."""
+    if isinstance(gate_up, PanelWeight) and gate_up.gated:
+        rows = x.reshape(-1, gate_up.in_features)
+        out = cpu_kernels().panel_silu_mul(rows, gate_up.panels, gate_up.out_features // 2, bias)
+        return out.view(*x.shape[:-1], gate_up.out_features // 2)
+    return silu_mul(linear(x, gate_up, bias))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor | PanelWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight.T + bias` for a plain or packed weight.
 
@@ -114,6 +142,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PanelWeight, bias: torch.Tens
     Every row count from 2 up gives a row the same bits; with AMX, a bf16 product of more
     than AMX_INVARIANT_ROWS rows runs in blocks of that many (see the module docstring)."""
     if isinstance(weight, PanelWeight):
+        assert not weight.gated, "a gated PanelWeight runs in gated_linear"
         rows = x.reshape(-1, weight.in_features)
         out = cpu_kernels().panel_linear(rows, weight.panels, weight.out_features, bias)
         return out.view(*x.shape[:-1], weight.out_features)

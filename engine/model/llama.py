@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.model.attention import AttentionMetadata, paged_attention
-from pdserve.engine.model.fused import add_rms_norm, rope, silu_mul
-from pdserve.engine.model.linear import can_pack, linear, pack
+from pdserve.engine.model.fused import add_rms_norm, rope
+from pdserve.engine.model.linear import can_pack, gated_linear, linear, pack, pack_gated
 from pdserve.engine.model.weights import CheckpointReader
 
 
@@ -57,7 +57,7 @@ class DecoderLayer:
     o_weight: torch.Tensor
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up_weight: torch.Tensor  # gate and up projections stacked
+    gate_up_weight: torch.Tensor  # gate and up projections stacked (packed for gated_linear)
     gate_up_bias: torch.Tensor | None
     down_weight: torch.Tensor
     down_bias: torch.Tensor | None
@@ -115,7 +115,7 @@ class CausalLM:
             attn = paged_attention(q, k, v, kv_cache[index, 0], kv_cache[index, 1], meta, self.scale)
             attn_out = linear(attn.reshape(num_tokens, q_size), layer.o_weight, layer.o_bias)
             hidden, x = add_rms_norm(hidden, attn_out, layer.post_norm, s.rms_norm_eps)
-            delta = linear(silu_mul(linear(x, layer.gate_up_weight, layer.gate_up_bias)), layer.down_weight,
+            delta = linear(gated_linear(x, layer.gate_up_weight, layer.gate_up_bias), layer.down_weight,
                            layer.down_bias)
         return add_rms_norm(hidden, delta, self.norm, s.rms_norm_eps)[1]
 
@@ -142,7 +142,7 @@ def _load_layer(reader: CheckpointReader, i: int) -> DecoderLayer:
         o_weight=pack(reader.get(attn + "o_proj.weight")),
         o_bias=reader.optional(attn + "o_proj.bias"),
         post_norm=reader.get(prefix + "post_attention_layernorm.weight"),
-        gate_up_weight=pack(reader.stacked([mlp + "gate_proj.weight", mlp + "up_proj.weight"])),
+        gate_up_weight=pack_gated(reader.stacked([mlp + "gate_proj.weight", mlp + "up_proj.weight"])),
         gate_up_bias=reader.stacked_optional([mlp + "gate_proj.bias", mlp + "up_proj.bias"]),
         down_weight=pack(reader.get(mlp + "down_proj.weight")),
         down_bias=reader.optional(mlp + "down_proj.bias"),

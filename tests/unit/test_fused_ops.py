@@ -42,6 +42,19 @@ def test_silu_mul(cpu_kernels, monkeypatch, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_gives_a_feature_the_same_bits_wherever_it_sits_in_the_row(cpu_kernels, dtype):
+    """The gated panel product runs silu_mul on 48 features at a time and must match it on a
+    whole row: a pair (gate, up) gets the same bits at any column, in a row of any width."""
+    gen = torch.Generator().manual_seed(3)
+    gate, up = (4 * torch.randn(2, 1000, generator=gen)).to(dtype)
+    whole = fused.silu_mul(torch.cat([gate, up])[None])[0]
+    for offset, width in [(0, 1), (3, 20), (5, 37), (17, 64), (40, 999)]:
+        row = torch.cat([gate[offset:offset + width], up[offset:offset + width]])[None]
+        assert torch.equal(fused.silu_mul(row)[0], whole[offset:offset + width]), (offset, width)
+
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [16, 64])
 def test_rope_on_a_strided_qkv_slice(cpu_kernels, monkeypatch, dtype, head_dim):
     gen = torch.Generator().manual_seed(2)

@@ -1,11 +1,13 @@
 """The CPU kernel's linear layer on panels (csrc/panel_linear.cpp, engine.model.linear.PanelWeight),
-in bf16 and fp32: a row's bits never depend on the rows beside it, and they are oneDNN's bits."""
+in bf16 and fp32: a row's bits never depend on the rows beside it, and they are oneDNN's bits;
+its gated form (SwiGLU's gate and up, then silu(gate) * up) gives the bits of the product
+followed by silu_mul."""
 
 import pytest
 import torch
 
 from pdserve.engine.model.kernels import cpu_kernels
-from pdserve.engine.model.linear import PanelWeight, linear, pack
+from pdserve.engine.model.linear import PanelWeight, gated_linear, linear, pack, pack_gated
 
 KERNELS = cpu_kernels()
 DTYPES = [pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
@@ -104,3 +106,49 @@ def test_what_it_cannot_take_is_named(dtype):
         KERNELS.panel_linear(torch.randn(2, 64), pack(torch.randn(4, 64).bfloat16()).panels, 4, None)
     with pytest.raises(RuntimeError, match="runs in this build's dtypes only"):
         KERNELS.pack_panels(torch.randn(4, 64).half())
+
+
+# (intermediate, in_features): SmolLM2-135M's MLP; intermediates ending mid-panel and mid-vector,
+# and in_features past one K block
+GATED_SHAPES = [(1536, 576), (50, 64), (100, 2080), (17, 1040)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", GATED_SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_gated_product_gives_the_product_then_silu_mul_bits(shape, with_bias, dtype):
+    intermediate, in_features = shape
+    gen = torch.Generator().manual_seed(intermediate)
+    gate_up = (torch.randn(2 * intermediate, in_features, generator=gen) * 0.1).to(dtype)
+    bias = torch.randn(2 * intermediate, generator=gen).to(dtype) if with_bias else None
+    x = torch.randn(130, in_features, generator=gen).to(dtype)
+    gated, plain = pack_gated(gate_up), pack(gate_up)
+    assert isinstance(gated, PanelWeight) and gated.gated
+    for rows in (1, 2, 9, 64, 65, 130):  # one tile, shared chunks (up to 64 rows), tile by tile
+        expected = KERNELS.silu_mul(linear(x[:rows], plain, bias))
+        assert torch.equal(bits(gated_linear(x[:rows], gated, bias)), bits(expected)), rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_rows_gated_bits_do_not_depend_on_the_rows_beside_it(dtype):
+    gen = torch.Generator().manual_seed(2)
+    gated = pack_gated((torch.randn(3072, 576, generator=gen) * 0.05).to(dtype))
+    x = torch.randn(137, 576, generator=gen).to(dtype)
+    together = gated_linear(x, gated)
+    for start, stop in [(0, 1), (5, 6), (3, 11), (0, 64), (1, 66), (0, 137)]:
+        assert torch.equal(bits(gated_linear(x[start:stop], gated)), bits(together[start:stop]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES[:1])
+def test_what_the_gated_product_cannot_take_is_named(dtype):
+    gated = pack_gated(torch.randn(200, 64).bfloat16())
+    with pytest.raises(RuntimeError, match=r"the bias must be \[2 \* 100\]"):
+        KERNELS.panel_silu_mul(torch.randn(2, 64).bfloat16(), gated.panels, 100, torch.randn(100))
+    with pytest.raises(RuntimeError, match="does not take rows of 32"):
+        KERNELS.panel_silu_mul(torch.randn(2, 32).bfloat16(), gated.panels, 100, None)
+    with pytest.raises(RuntimeError, match="takes pack_gated_panels' pairs"):
+        KERNELS.panel_silu_mul(torch.randn(2, 64).bfloat16(), pack(torch.randn(100, 64).bfloat16()).panels, 50, None)
+    with pytest.raises(RuntimeError, match="stacked"):
+        KERNELS.pack_gated_panels(torch.randn(201, 64).bfloat16())
+    with pytest.raises(AssertionError, match="runs in gated_linear"):
+        linear(torch.randn(2, 64).bfloat16(), gated)

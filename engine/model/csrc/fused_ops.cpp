@@ -13,14 +13,14 @@
 #include <cmath>
 #include <tuple>
 
+#include "elementwise.h"
+
 namespace {
 
 // Rows per parallel chunk: a few hundred KB of work each, so a decode batch stays on one
 // thread only when it is small.
 int64_t grain(int64_t row_elements) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elements)); }
 
-template <typename T>
-inline T round_to(float x) { return static_cast<T>(x); }
 
 // out = weight * T(x * rsqrt(mean(x^2) + eps)), x in fp32
 template <typename T>
@@ -88,14 +88,7 @@ at::Tensor silu_mul(at::Tensor gate_up) {
     at::parallel_for(0, rows, grain(2 * n), [&](int64_t begin, int64_t end) {
       for (int64_t row = begin; row < end; ++row) {
         const scalar_t* g = in + row * 2 * n;
-        const scalar_t* u = g + n;
-        scalar_t* orow = o + row * n;
-        _Pragma("omp simd")
-        for (int64_t i = 0; i < n; ++i) {
-          const float x = static_cast<float>(g[i]);
-          const float silu = static_cast<float>(round_to<scalar_t>(x / (1.f + expf(-x))));
-          orow[i] = round_to<scalar_t>(silu * static_cast<float>(u[i]));
-        }
+        silu_mul_row(g, g + n, o + row * n, n);
       }
     });
   });

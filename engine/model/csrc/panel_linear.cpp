@@ -26,6 +26,11 @@
 //
 // Why not oneDNN: decode-sized products (few rows) stream the weights faster this way; the
 // two are compared side by side in benchmarks/linear_bf16.py.
+//
+// SwiGLU's gate and up projections run as one gated product (panel_silu_mul): the panels come
+// in pairs, a gate panel and the up panel of the same 48 features, and each pair's outputs go
+// through silu(gate) * up (elementwise.h's silu_mul_row, as fused_ops.cpp's silu_mul) while
+// they sit in L1, so the [rows, 2I] product is never written and read back.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -34,6 +39,8 @@
 
 #include <string>
 #include <vector>
+
+#include "elementwise.h"
 
 namespace {
 constexpr int64_t kLanes = 16;              // outputs per vector
@@ -57,6 +64,7 @@ int64_t block_of(int64_t in_features) { return in_features <= 1024 ? 512 : 1024;
 // sums); outputs rounded to bf16.
 struct Bf16 {
   using Elem = uint16_t;
+  using Value = c10::BFloat16;  // what an Elem holds, for the element-wise epilogue
   using Unit = __m512bh;
   static constexpr int64_t kInputs = 2;
   static Unit weights(const Elem* w) { return (__m512bh)_mm512_loadu_si512(w); }
@@ -71,6 +79,7 @@ struct Bf16 {
 // fp32: a unit is one input, one FMA per product.
 struct Fp32 {
   using Elem = float;
+  using Value = float;
   using Unit = __m512;
   static constexpr int64_t kInputs = 1;
   static Unit weights(const Elem* w) { return _mm512_loadu_ps(w); }
@@ -133,13 +142,14 @@ void tile_chunk_rows(int rows, const typename E::Elem* x, int64_t ldx, const typ
   }
 }
 
-// `rows` rows of x (at most kBlockTiles tiles, rows `K` apart) times the panel at `w`, outputs
-// n0.. (of `N`; the last panel's beyond N not stored) into rows of y `N` apart, plus `bias`
-// (fp32, or null) before rounding. The panel is walked `chunk` units at a time, every tile
-// taking each chunk in turn (so a chunk of a K block's length or more: tile after tile).
+// `rows` rows of x (at most kBlockTiles tiles, rows `K` apart) times the panel at `w`: its first
+// `valid` outputs (the rest not stored) into rows of y `ldy` apart, plus `bias` (fp32, at the
+// panel's first output, or null) before rounding. The panel is walked `chunk` units at a time,
+// every tile taking each chunk in turn (so a chunk of a K block's length or more: tile after tile).
 template <typename E, int J>
 void row_block(int rows, const typename E::Elem* x, int64_t K, const typename E::Elem* w, int64_t units,
-               int64_t block_units, int64_t chunk, const float* bias, typename E::Elem* y, int64_t N, int64_t n0) {
+               int64_t block_units, int64_t chunk, const float* bias, typename E::Elem* y, int64_t ldy,
+               int64_t valid) {
   TileSums sums[kBlockTiles];
   const int tiles = (rows + kTileRows - 1) / kTileRows;
   auto tile_rows = [&](int t) { return std::min(kTileRows, rows - t * kTileRows); };
@@ -154,14 +164,43 @@ void row_block(int rows, const typename E::Elem* x, int64_t K, const typename E:
   }
   for (int t = 0; t < tiles; ++t)
     for (int j = 0; j < J; ++j) {
-      const int64_t n = n0 + j * kLanes, left = N - n;
+      const int64_t n = j * kLanes, left = valid - n;
       const __mmask16 mask = left >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
       const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
       for (int r = 0; r < tile_rows(t); ++r) {
         const __m512 total = _mm512_load_ps(sums[t].total[r][j]);
-        E::store(y + (t * kTileRows + r) * N + n, mask, bias ? _mm512_add_ps(total, b) : total);
+        E::store(y + (t * kTileRows + r) * ldy + n, mask, bias ? _mm512_add_ps(total, b) : total);
       }
     }
+}
+
+// How a product of M rows walks each panel: decode-sized products (up to kBlockTiles tiles)
+// share each chunk among all their tiles; larger ones go tile by tile through whole K blocks.
+struct Walk {
+  int64_t units, block_units, block_rows, chunk;
+  template <typename E>
+  static Walk of(int64_t M, int64_t K) {
+    const bool shared = M <= kBlockTiles * kTileRows;
+    const int64_t block_units = block_of(K) / E::kInputs;
+    return {K / E::kInputs, block_units, shared ? M : kTileRows, shared ? kChunkUnits : block_units};
+  }
+};
+
+// row_block for a panel whose first `valid` outputs are used (its vectors past them skipped).
+template <typename E>
+void panel_rows(const Walk& walk, int rows, const typename E::Elem* x, int64_t K, const typename E::Elem* w,
+                const float* bias, typename E::Elem* y, int64_t ldy, int64_t valid) {
+  const int64_t vectors = std::min<int64_t>(kPanelVectors, (valid + kLanes - 1) / kLanes);
+  if (vectors == 3) row_block<E, 3>(rows, x, K, w, walk.units, walk.block_units, walk.chunk, bias, y, ldy, valid);
+  else if (vectors == 2) row_block<E, 2>(rows, x, K, w, walk.units, walk.block_units, walk.chunk, bias, y, ldy, valid);
+  else row_block<E, 1>(rows, x, K, w, walk.units, walk.block_units, walk.chunk, bias, y, ldy, valid);
+}
+
+// `bias` (any float dtype, or none) as fp32 in `holder`; its data (null for none).
+const float* bias_fp32(const c10::optional<torch::Tensor>& bias, torch::Tensor& holder) {
+  if (!bias.has_value()) return nullptr;
+  holder = bias->to(at::kFloat).contiguous();
+  return holder.data_ptr<float>();
 }
 
 // x [M, K] times the panels `packed` of `out_features` outputs (+ `bias` [N], any float
@@ -170,30 +209,60 @@ void row_block(int rows, const typename E::Elem* x, int64_t K, const typename E:
 template <typename E>
 torch::Tensor product(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
                       const c10::optional<torch::Tensor>& bias) {
-  const int64_t M = x.size(0), K = x.size(1), units = K / E::kInputs, panels = packed.size(0);
+  const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0), panel_size = K * kPanel;
   auto y = torch::empty({M, N}, x.options());
   torch::Tensor bias32;
-  if (bias.has_value()) bias32 = bias->to(at::kFloat).contiguous();
-  const float* b = bias.has_value() ? bias32.data_ptr<float>() : nullptr;
+  const float* b = bias_fp32(bias, bias32);
   const auto* xs = reinterpret_cast<const typename E::Elem*>(x.data_ptr());
   const auto* ws = reinterpret_cast<const typename E::Elem*>(packed.data_ptr());
   auto* ys = reinterpret_cast<typename E::Elem*>(y.data_ptr());
-  const int64_t block_units = block_of(K) / E::kInputs, panel_size = K * kPanel;
   if (M == 0) return y;
-  // decode-sized products share each chunk among all their tiles; larger ones go tile by tile
-  const bool shared = M <= kBlockTiles * kTileRows;
-  const int64_t block_rows = shared ? M : kTileRows, chunk = shared ? kChunkUnits : block_units;
+  const Walk walk = Walk::of<E>(M, K);
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
-      const int64_t n0 = p * kPanel, vectors = std::min<int64_t>(kPanelVectors, (N - n0 + kLanes - 1) / kLanes);
-      const typename E::Elem* w = ws + p * panel_size;
-      for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
-        const int rows = static_cast<int>(std::min(block_rows, M - m0));
+      const int64_t n0 = p * kPanel;
+      for (int64_t m0 = 0; m0 < M; m0 += walk.block_rows) {
+        const int rows = static_cast<int>(std::min(walk.block_rows, M - m0));
+        panel_rows<E>(walk, rows, xs + m0 * K, K, ws + p * panel_size, b ? b + n0 : nullptr, ys + m0 * N + n0, N,
+                      N - n0);
+      }
+    }
+  });
+  return y;
+}
+
+// SwiGLU's first half: x [M, K] times the gated panels `packed` (pairs of a gate panel and the
+// up panel of the same 48 intermediate features, from pack_gated_panels), plus `bias` [2I]
+// (gate's then up's, or none), then silu(gate) * up -> [M, I] in x's dtype. Each pair's gate
+// and up outputs are rounded to x's dtype into a small buffer, as the plain product would store
+// them, and silu_mul_row (fused_ops.cpp's silu_mul) runs on them there, while they sit in L1:
+// the same bits as panel_linear followed by silu_mul, without writing and re-reading [M, 2I].
+template <typename E>
+torch::Tensor gated_product(const torch::Tensor& x, const torch::Tensor& packed, int64_t I,
+                            const c10::optional<torch::Tensor>& bias) {
+  using Value = typename E::Value;
+  const int64_t M = x.size(0), K = x.size(1), pairs = packed.size(0) / 2, panel_size = K * kPanel;
+  auto y = torch::empty({M, I}, x.options());
+  torch::Tensor bias32;
+  const float* b = bias_fp32(bias, bias32);
+  const auto* xs = reinterpret_cast<const typename E::Elem*>(x.data_ptr());
+  const auto* ws = reinterpret_cast<const typename E::Elem*>(packed.data_ptr());
+  auto* ys = reinterpret_cast<Value*>(y.data_ptr());
+  if (M == 0) return y;
+  const Walk walk = Walk::of<E>(M, K);
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) typename E::Elem gate[kBlockTiles * kTileRows * kPanel], up[kBlockTiles * kTileRows * kPanel];
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n0 = p * kPanel, valid = std::min(kPanel, I - n0);
+      const typename E::Elem* w = ws + 2 * p * panel_size;
+      for (int64_t m0 = 0; m0 < M; m0 += walk.block_rows) {
+        const int rows = static_cast<int>(std::min(walk.block_rows, M - m0));
         const auto* xr = xs + m0 * K;
-        auto* yr = ys + m0 * N;
-        if (vectors == 3) row_block<E, 3>(rows, xr, K, w, units, block_units, chunk, b, yr, N, n0);
-        else if (vectors == 2) row_block<E, 2>(rows, xr, K, w, units, block_units, chunk, b, yr, N, n0);
-        else row_block<E, 1>(rows, xr, K, w, units, block_units, chunk, b, yr, N, n0);
+        panel_rows<E>(walk, rows, xr, K, w, b ? b + n0 : nullptr, gate, kPanel, valid);
+        panel_rows<E>(walk, rows, xr, K, w + panel_size, b ? b + I + n0 : nullptr, up, kPanel, valid);
+        for (int r = 0; r < rows; ++r)
+          silu_mul_row(reinterpret_cast<const Value*>(gate + r * kPanel), reinterpret_cast<const Value*>(up + r * kPanel),
+                       ys + (m0 + r) * I + n0, valid);
       }
     }
   });
@@ -238,26 +307,63 @@ torch::Tensor pack_panels(torch::Tensor weight) {
   return padded.view({panels, kPanel, K / u, u}).transpose(1, 2).contiguous();
 }
 
-// x [M, K] times the weight `pack_panels` made of `out_features` outputs (+ `bias` [N]) -> [M, N].
-torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features,
-                           c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2, "panel_linear takes 2-D rows");
-  check_dtype(x, "panel_linear");
+// `gate_up` [2I, K], the gate and up projections stacked -> pairs of panels, gate's then up's of
+// the same 48 intermediate features: [2 * ceil(I / 48), K / u, 48, u], for panel_silu_mul.
+torch::Tensor pack_gated_panels(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(0) % 2 == 0, "pack_gated_panels takes the gate and up projections "
+              "stacked, [2 * intermediate, in], got ", gate_up.sizes());
+  const auto halves = gate_up.chunk(2, 0);
+  return torch::stack({pack_panels(halves[0]), pack_panels(halves[1])}, 1).flatten(0, 1);
+}
+
+namespace {
+// Checks rows `x` against a packed weight of `panels` panels for `out_features` outputs; x
+// contiguous.
+torch::Tensor checked_rows(const char* op, torch::Tensor x, const torch::Tensor& packed, int64_t panels,
+                           int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2, op, " takes 2-D rows");
+  check_dtype(x, op);
   const int64_t u = inputs_per_unit(x);
   TORCH_CHECK(packed.scalar_type() == x.scalar_type() && packed.dim() == 4 && packed.size(2) == kPanel &&
                   packed.size(3) == u && packed.size(1) * u == x.size(1),
-              "panel_linear: the packed weight (", packed.sizes(), ", ", packed.scalar_type(), ") does not take rows of ",
+              op, ": the packed weight (", packed.sizes(), ", ", packed.scalar_type(), ") does not take rows of ",
               x.size(1), " ", x.scalar_type());
-  const int64_t panels = packed.size(0), N = out_features;
-  TORCH_CHECK(N <= panels * kPanel && N > (panels - 1) * kPanel, "panel_linear: ", N, " outputs for ", panels,
-              " panels");
-  x = x.contiguous();
+  TORCH_CHECK(out_features <= panels * kPanel && out_features > (panels - 1) * kPanel, op, ": ", out_features,
+              " outputs for ", panels, " panels");
+  return x.contiguous();
+}
+}  // namespace
+
+// x [M, K] times the weight `pack_panels` made of `out_features` outputs (+ `bias` [N]) -> [M, N].
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features,
+                           c10::optional<torch::Tensor> bias) {
+  x = checked_rows("panel_linear", x, packed, packed.size(0), out_features);
 #if defined(__AVX512BF16__)
-  if (x.scalar_type() == at::kBFloat16) return product<Bf16>(x, packed, N, bias);
+  if (x.scalar_type() == at::kBFloat16) return product<Bf16>(x, packed, out_features, bias);
 #endif
 #if defined(__AVX512F__)
-  return product<Fp32>(x, packed, N, bias);
+  return product<Fp32>(x, packed, out_features, bias);
 #else
   TORCH_CHECK(false, "panel_linear needs AVX-512");
+#endif
+}
+
+// silu(gate) * up of x [M, K] times the weight `pack_gated_panels` made of the gate and up
+// projections of `intermediate` features each (+ `bias` [2 * intermediate]) -> [M, intermediate]:
+// panel_linear then silu_mul in one pass, with their bits.
+torch::Tensor panel_silu_mul(torch::Tensor x, torch::Tensor packed, int64_t intermediate,
+                             c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(packed.dim() == 4 && packed.size(0) % 2 == 0, "panel_silu_mul takes pack_gated_panels' pairs, got ",
+              packed.sizes());
+  x = checked_rows("panel_silu_mul", x, packed, packed.size(0) / 2, intermediate);
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == 2 * intermediate),
+              "panel_silu_mul: the bias must be [2 * ", intermediate, "] (gate's then up's)");
+#if defined(__AVX512BF16__)
+  if (x.scalar_type() == at::kBFloat16) return gated_product<Bf16>(x, packed, intermediate, bias);
+#endif
+#if defined(__AVX512F__)
+  return gated_product<Fp32>(x, packed, intermediate, bias);
+#else
+  TORCH_CHECK(false, "panel_silu_mul needs AVX-512");
 #endif
 }
