@@ -42,6 +42,8 @@
 
 #include "elementwise.h"
 
+at::Tensor silu_mul(at::Tensor gate_up);  // fused_ops.cpp
+
 namespace {
 constexpr int64_t kLanes = 16;              // outputs per vector
 constexpr int64_t kPanelVectors = 3;        // vectors per panel
@@ -203,12 +205,23 @@ const float* bias_fp32(const c10::optional<torch::Tensor>& bias, torch::Tensor& 
   return holder.data_ptr<float>();
 }
 
+// Where panel q's outputs go: panel_linear's panels side by side (q's first output is q * 48),
+// or, `gated` (pack_gated_panels' pairs for I = N / 2 features each), gate panels at p * 48
+// and up panels at I + p * 48 for pair p = q / 2.
+struct Placement {
+  int64_t N;
+  bool gated;
+  int64_t column(int64_t q) const { return gated ? (q % 2) * (N / 2) + (q / 2) * kPanel : q * kPanel; }
+  int64_t valid(int64_t q) const { return gated ? std::min(kPanel, N / 2 - (q / 2) * kPanel) : N - q * kPanel; }
+};
+
 // x [M, K] times the panels `packed` of `out_features` outputs (+ `bias` [N], any float
-// dtype) -> [M, N] in x's dtype. Panels are shared out among threads; every row of a panel is
-// computed by the thread that owns it, in the same order whatever M is.
+// dtype) -> [M, N] in x's dtype, the panels' outputs placed by `placement`. Panels are shared
+// out among threads; every row of a panel is computed by the thread that owns it, in the same
+// order whatever M is.
 template <typename E>
 torch::Tensor product(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
-                      const c10::optional<torch::Tensor>& bias) {
+                      const c10::optional<torch::Tensor>& bias, Placement placement) {
   const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0), panel_size = K * kPanel;
   auto y = torch::empty({M, N}, x.options());
   torch::Tensor bias32;
@@ -220,11 +233,11 @@ torch::Tensor product(const torch::Tensor& x, const torch::Tensor& packed, int64
   const Walk walk = Walk::of<E>(M, K);
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
-      const int64_t n0 = p * kPanel;
+      const int64_t n0 = placement.column(p), valid = placement.valid(p);
       for (int64_t m0 = 0; m0 < M; m0 += walk.block_rows) {
         const int rows = static_cast<int>(std::min(walk.block_rows, M - m0));
         panel_rows<E>(walk, rows, xs + m0 * K, K, ws + p * panel_size, b ? b + n0 : nullptr, ys + m0 * N + n0, N,
-                      N - n0);
+                      valid);
       }
     }
   });
@@ -237,11 +250,15 @@ torch::Tensor product(const torch::Tensor& x, const torch::Tensor& packed, int64
 // and up outputs are rounded to x's dtype into a small buffer, as the plain product would store
 // them, and silu_mul_row (fused_ops.cpp's silu_mul) runs on them there, while they sit in L1:
 // the same bits as panel_linear followed by silu_mul, without writing and re-reading [M, 2I].
+// That is for decode's products (up to kBlockTiles tiles of rows). Larger ones, tile by tile,
+// ran 4-11% slower fused in bf16 (256-2048 rows, benchmarks/README.md); they write [M, 2I] and
+// call silu_mul, the same bits.
 template <typename E>
 torch::Tensor gated_product(const torch::Tensor& x, const torch::Tensor& packed, int64_t I,
                             const c10::optional<torch::Tensor>& bias) {
   using Value = typename E::Value;
   const int64_t M = x.size(0), K = x.size(1), pairs = packed.size(0) / 2, panel_size = K * kPanel;
+  if (M > kBlockTiles * kTileRows) return silu_mul(product<E>(x, packed, 2 * I, bias, Placement{2 * I, true}));
   auto y = torch::empty({M, I}, x.options());
   torch::Tensor bias32;
   const float* b = bias_fp32(bias, bias32);
@@ -339,10 +356,10 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t out_fe
                            c10::optional<torch::Tensor> bias) {
   x = checked_rows("panel_linear", x, packed, packed.size(0), out_features);
 #if defined(__AVX512BF16__)
-  if (x.scalar_type() == at::kBFloat16) return product<Bf16>(x, packed, out_features, bias);
+  if (x.scalar_type() == at::kBFloat16) return product<Bf16>(x, packed, out_features, bias, {out_features, false});
 #endif
 #if defined(__AVX512F__)
-  return product<Fp32>(x, packed, out_features, bias);
+  return product<Fp32>(x, packed, out_features, bias, {out_features, false});
 #else
   TORCH_CHECK(false, "panel_linear needs AVX-512");
 #endif
