@@ -205,12 +205,15 @@ const float* bias_fp32(const c10::optional<torch::Tensor>& bias, torch::Tensor& 
   return holder.data_ptr<float>();
 }
 
-// Where panel q's outputs go: panel_linear's panels side by side (q's first output is q * 48),
-// or, `gated` (pack_gated_panels' pairs for I = N / 2 features each), gate panels at p * 48
-// and up panels at I + p * 48 for pair p = q / 2.
+// Which panel runs i-th and where its outputs go: panel_linear's panels in order, side by side
+// (panel i's first output is i * 48), or, `gated` (pack_gated_panels' pairs for I = N / 2
+// features each), the gate panels (q = 2p) then the up panels (q = 2p + 1), at p * 48 and
+// I + p * 48: the order and places of the plain panels of the same weight.
 struct Placement {
   int64_t N;
   bool gated;
+  int64_t panel(int64_t i) const { return !gated ? i : i < panels() / 2 ? 2 * i : 2 * (i - panels() / 2) + 1; }
+  int64_t panels() const { return gated ? 2 * ((N / 2 + kPanel - 1) / kPanel) : (N + kPanel - 1) / kPanel; }
   int64_t column(int64_t q) const { return gated ? (q % 2) * (N / 2) + (q / 2) * kPanel : q * kPanel; }
   int64_t valid(int64_t q) const { return gated ? std::min(kPanel, N / 2 - (q / 2) * kPanel) : N - q * kPanel; }
 };
@@ -232,8 +235,8 @@ torch::Tensor product(const torch::Tensor& x, const torch::Tensor& packed, int64
   if (M == 0) return y;
   const Walk walk = Walk::of<E>(M, K);
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t n0 = placement.column(p), valid = placement.valid(p);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t p = placement.panel(i), n0 = placement.column(p), valid = placement.valid(p);
       for (int64_t m0 = 0; m0 < M; m0 += walk.block_rows) {
         const int rows = static_cast<int>(std::min(walk.block_rows, M - m0));
         panel_rows<E>(walk, rows, xs + m0 * K, K, ws + p * panel_size, b ? b + n0 : nullptr, ys + m0 * N + n0, N,
