@@ -28,9 +28,10 @@
 // two are compared side by side in benchmarks/linear_bf16.py.
 //
 // SwiGLU's gate and up projections run as one gated product (panel_silu_mul): the panels come
-// in pairs, a gate panel and the up panel of the same 48 features, and each pair's outputs go
-// through silu(gate) * up (elementwise.h's silu_mul_row, as fused_ops.cpp's silu_mul) while
-// they sit in L1, so the [rows, 2I] product is never written and read back.
+// in pairs, a gate panel and the up panel of the same 48 features. In decode's products (up to
+// 64 rows) each pair's outputs go through silu(gate) * up (elementwise.h's silu_mul_row, as
+// fused_ops.cpp's silu_mul) while they sit in L1, so the [rows, 2I] product is never written
+// and read back; larger products write it and call silu_mul (fused, they ran slower).
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
