@@ -255,8 +255,7 @@ torch::Tensor product(const torch::Tensor& x, const torch::Tensor& packed, int64
 // them, and silu_mul_row (fused_ops.cpp's silu_mul) runs on them there, while they sit in L1:
 // the same bits as panel_linear followed by silu_mul, without writing and re-reading [M, 2I].
 // That is for decode's products (up to kBlockTiles tiles of rows). Larger ones, tile by tile,
-// ran 4-11% slower fused in bf16 (256-2048 rows, benchmarks/README.md); they write [M, 2I] and
-// call silu_mul, the same bits.
+// ran slower fused (benchmarks/README.md); they write [M, 2I] and call silu_mul, the same bits.
 template <typename E>
 torch::Tensor gated_product(const torch::Tensor& x, const torch::Tensor& packed, int64_t I,
                             const c10::optional<torch::Tensor>& bias) {
