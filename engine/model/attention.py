@@ -68,11 +68,17 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Write the step's new K/V into the cache, then attend; returns `[num_tokens, heads, dim]`."""
+    """Write the step's new K/V into the cache, then attend; returns `[num_tokens, heads, dim]`.
+    A step of decodes alone on the CPU kernels does both in one call (`paged_decode_attention_write`:
+    the same bits and caches, without two copies' dispatch per layer)."""
+    decodes_only = meta.num_decodes == q.shape[0]
+    if decodes_only and (kernel := _decode_kernel(q)) is not None:
+        return kernel.paged_decode_attention_write(q, k, v, k_cache, v_cache, meta.slot_mapping,
+                                                   meta.decode_block_tables, meta.decode_ctx_lens, scale)
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
-    if meta.num_decodes == q.shape[0]:
+    if decodes_only:
         return _decode_attention(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
     if meta.num_decodes:
@@ -105,8 +111,13 @@ def _prefill_through_kernel(kernel, q, k_cache, v_cache, span: PrefillSpan, scal
                                           span.start_pos, scale, PREFILL_TILE)
 
 
+def _decode_kernel(q: torch.Tensor):
+    """The kernels' module where they attend this step's decodes (on the CPU), else None."""
+    return cpu_kernels() if q.device.type == "cpu" else None
+
+
 def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-    kernel = cpu_kernels() if q.device.type == "cpu" else None
+    kernel = _decode_kernel(q)
     if kernel is not None:
         return kernel.paged_decode_attention(
             q.contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_ctx_lens, scale

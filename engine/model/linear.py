@@ -124,6 +124,8 @@ def gated_linear(x: torch.Tensor, gate_up: torch.Tensor | PanelWeight,
     """SwiGLU's `silu(gate) * up` of `linear(x, gate_up, bias)` (gate's outputs then up's): on a
     gated PanelWeight in one pass, with the bits of the product followed by `silu_mul`."""
     if isinstance(gate_up, PanelWeight) and gate_up.gated:
+        if x.dim() == 2:  # the model's rows: no reshape and view to pay for (a few us a call at batch 1)
+            return cpu_kernels().panel_silu_mul(x, gate_up.panels, gate_up.out_features // 2, bias)
         rows = x.reshape(-1, gate_up.in_features)
         out = cpu_kernels().panel_silu_mul(rows, gate_up.panels, gate_up.out_features // 2, bias)
         return out.view(*x.shape[:-1], gate_up.out_features // 2)
@@ -143,6 +145,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PanelWeight, bias: torch.Tens
     than AMX_INVARIANT_ROWS rows runs in blocks of that many (see the module docstring)."""
     if isinstance(weight, PanelWeight):
         assert not weight.gated, "a gated PanelWeight runs in gated_linear"
+        if x.dim() == 2:  # as in gated_linear
+            return cpu_kernels().panel_linear(x, weight.panels, weight.out_features, bias)
         rows = x.reshape(-1, weight.in_features)
         out = cpu_kernels().panel_linear(rows, weight.panels, weight.out_features, bias)
         return out.view(*x.shape[:-1], weight.out_features)

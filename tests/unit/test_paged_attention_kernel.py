@@ -87,6 +87,46 @@ def test_slots_past_the_context_are_never_read(cpu_kernels, dtype, block_size):
     assert (out.double() - expected).abs().max().item() < TOLERANCE[dtype]
 
 
+def decode_step_case(dtype, head_dim, ctx_lens, seed=11):
+    """A decode step: each sequence's new token at position ctx_len - 1, its K/V rows to write
+    (V a strided view of a wider row, as the model's qkv split gives it) and its slot."""
+    q, k_cache, v_cache, tables, lens = make_case(dtype, head_dim, 9, 3, 16, ctx_lens, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    k = torch.randn(len(ctx_lens), 3, head_dim, generator=gen).to(dtype)
+    v = torch.randn(len(ctx_lens), 5, head_dim, generator=gen).to(dtype)[:, 1:4]
+    slots = torch.tensor([int(tables[b, (n - 1) // 16]) * 16 + (n - 1) % 16 for b, n in enumerate(ctx_lens)])
+    return q, k, v, k_cache, v_cache, slots, tables, lens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [24, 64])
+def test_decode_with_its_kv_write_equals_index_copy_then_attention(cpu_kernels, dtype, head_dim):
+    """paged_decode_attention_write (the model's decode steps) writes each new K/V row into its
+    slot and attends: the caches and the output bits of index_copy_ then paged_decode_attention."""
+    q, k, v, k_cache, v_cache, slots, tables, lens = decode_step_case(dtype, head_dim, [1, 16, 17, 300])
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    k_ref.view(-1, 3, head_dim).index_copy_(0, slots, k)
+    v_ref.view(-1, 3, head_dim).index_copy_(0, slots, v)
+    expected = cpu_kernels.paged_decode_attention(q, k_ref, v_ref, tables, lens, 0.125)
+    out = cpu_kernels.paged_decode_attention_write(q, k, v, k_cache, v_cache, slots, tables, lens, 0.125)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    assert torch.equal(out, expected)
+
+
+def test_decode_with_its_kv_write_refuses_a_bad_slot_and_writes_nothing(cpu_kernels):
+    q, k, v, k_cache, v_cache, slots, tables, lens = decode_step_case(torch.bfloat16, 64, [5, 40])
+    before = k_cache.clone(), v_cache.clone()
+    bad = slots.clone()
+    bad[1] = k_cache.shape[0] * k_cache.shape[1]
+    with pytest.raises(RuntimeError, match=f"slot {int(bad[1])} of sequence 1 is outside the cache"):
+        cpu_kernels.paged_decode_attention_write(q, k, v, k_cache, v_cache, bad, tables, lens, 0.125)
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+    with pytest.raises(RuntimeError, match="k and v must be in the cache's dtype"):
+        cpu_kernels.paged_decode_attention_write(q, k.float(), v, k_cache, v_cache, slots, tables, lens, 0.125)
+    with pytest.raises(RuntimeError, match=r"k and v must be \[num_seqs, 3, 64\]"):
+        cpu_kernels.paged_decode_attention_write(q, k[:, :2], v[:, :2], k_cache, v_cache, slots, tables, lens, 0.125)
+
+
 def prefill_case(dtype, head_dim, num_heads, num_kv_heads, block_size, start_pos, num_tokens, seed=7):
     """One sequence's chunk: `num_tokens` queries at positions start_pos.., its blocks
     scattered through the cache; the slots past the chunk's last token hold NaN."""

@@ -8,6 +8,9 @@
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor ctx_lens, double scale);
+torch::Tensor paged_decode_attention_write(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
+                                           torch::Tensor v_cache, torch::Tensor slots, torch::Tensor block_tables,
+                                           torch::Tensor ctx_lens, double scale);
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                       torch::Tensor block_table, int64_t start_pos, double scale, int64_t tile_size);
 bool tiled_prefill();
@@ -26,6 +29,8 @@ std::tuple<torch::Tensor, torch::Tensor> rope(torch::Tensor qk, torch::Tensor po
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention reading K/V in place through block tables");
+  m.def("paged_decode_attention_write", &paged_decode_attention_write,
+        "a decode step's new K/V written into their slots, then paged_decode_attention");
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "one sequence's chunk attended to its cached prefix, in tiles of queries; each token the same bits as "
         "paged_decode_attention gives it");

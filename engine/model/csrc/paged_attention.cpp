@@ -5,6 +5,8 @@
 // over (sequence, kv head); every query head of a GQA group shares one pass over the keys.
 #include "attention_common.h"
 
+#include <cstring>
+
 namespace {
 
 using namespace pdserve_attention;
@@ -341,6 +343,57 @@ void fast_or_portable(const at::Tensor& q, const at::Tensor& k_cache, const at::
   else
 #endif
     decode_attention_impl<T, D>(q, k_cache, v_cache, block_tables, ctx_lens, scale, out);
+}
+
+// Each sequence's new K and V rows (`k`, `v`: [B, kv_heads, D], rows any stride apart) into its
+// slot of the caches (`slots` [B] int64: block * block_size + offset). Every slot is checked
+// before anything is written, so a bad one leaves the caches as they were.
+static void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slots) {
+  const int64_t B = k.size(0), kv_heads = k_cache.size(2), D = k_cache.size(3);
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == kv_heads && k.size(2) == D,
+              "k and v must be [num_seqs, ", kv_heads, ", ", D, "] to match the cache, got k ", k.sizes(), " and v ",
+              v.sizes());
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type(),
+              "k and v must be in the cache's dtype (", k_cache.scalar_type(), "), got ", k.scalar_type(), " and ",
+              v.scalar_type());
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == B,
+              "slots must be int64 [", B, "], one per sequence, got ", slots.scalar_type(), " ", slots.sizes());
+  const auto slot_list = slots.contiguous();
+  const int64_t* slot = slot_list.data_ptr<int64_t>();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(slot[b] >= 0 && slot[b] < num_slots, "slot ", slot[b], " of sequence ", b,
+                " is outside the cache's ", num_slots, " slots");
+  const int64_t row_bytes = kv_heads * D * k_cache.element_size();
+  auto write = [&](const at::Tensor& rows, at::Tensor& cache) {
+    const at::Tensor inner = rows.stride(2) == 1 && rows.stride(1) == D ? rows : rows.contiguous();
+    const char* src = static_cast<const char*>(inner.data_ptr());
+    char* dst = static_cast<char*>(cache.data_ptr());
+    const int64_t src_stride = inner.stride(0) * inner.element_size();
+    for (int64_t b = 0; b < B; ++b) std::memcpy(dst + slot[b] * row_bytes, src + b * src_stride, row_bytes);
+  };
+  write(k, k_cache);
+  write(v, v_cache);
+}
+
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                     at::Tensor block_tables, at::Tensor ctx_lens, double scale);
+
+// A decode step's attention in one call: each sequence's new K/V written into its slot
+// (write_kv), then paged_decode_attention over the caches, the new token included. The same
+// bits and the same caches as writing the slots with index_copy_ and then attending, without
+// the two copies' dispatch (about 7 us a layer at batch 1, benchmarks/README.md).
+at::Tensor paged_decode_attention_write(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor k_cache,
+                                        at::Tensor v_cache, at::Tensor slots, at::Tensor block_tables,
+                                        at::Tensor ctx_lens, double scale) {
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous(),
+              "expected contiguous k/v caches [blocks, block_size, kv_heads, D] of one shape");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0), "q [B, H, D] and k [B, kv_heads, D] must "
+              "have one row per sequence, got q ", q.sizes(), " and k ", k.sizes());
+  write_kv(k, v, k_cache, v_cache, slots);
+  return paged_decode_attention(q.contiguous(), k_cache, v_cache, block_tables, ctx_lens, scale);
 }
 
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
