@@ -77,3 +77,28 @@ def test_rope_refuses_a_position_past_the_table(cpu_kernels):
     table = torch.zeros(8, 16)
     with pytest.raises(RuntimeError, match="position out of range"):
         cpu_kernels.rope(qk, torch.tensor([0, 8]), table, table, 2)
+
+
+@pytest.mark.parametrize("width", [1, 15, 16, 17, 100, 49152])
+def test_row_argmax_is_torchs_first_maximum(cpu_kernels, width):
+    """row_argmax (the greedy sampler's pick) gives torch's max(dim=-1).indices: the first
+    maximum on ties, the first NaN in a row holding one, and rows of -inf or +inf alike."""
+    gen = torch.Generator().manual_seed(width)
+    rows = torch.randn(12, width, generator=gen)
+    rows[1] = rows[1].round()  # many ties at the maximum
+    rows[2, width // 2:] = rows[2].max() + 1  # the maximum repeated from the middle on
+    rows[3, width - 1] = float("nan")  # a NaN last
+    rows[4, width // 3] = float("nan")
+    rows[4, width - 1] = float("nan")  # two NaNs: the first counts
+    rows[5] = float("-inf")
+    rows[6, width // 2] = float("inf")
+    rows[7] = float("inf")
+    rows[8, ::2] = float("-inf")
+    assert torch.equal(cpu_kernels.row_argmax(rows), rows.max(dim=-1).indices)
+
+
+def test_row_argmax_refuses_what_it_does_not_take(cpu_kernels):
+    with pytest.raises(RuntimeError, match="row_argmax takes contiguous fp32 rows"):
+        cpu_kernels.row_argmax(torch.randn(2, 8).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="row_argmax takes contiguous fp32 rows"):
+        cpu_kernels.row_argmax(torch.randn(8, 2).t())

@@ -62,3 +62,21 @@ def test_frequencies_follow_the_softmax():
         counts[sample(logits, [SamplingParams()], [s], [0])[0]] += 1
     for c, p in zip(counts, probs, strict=True):
         assert abs(c / n - p) < 4 * math.sqrt(p * (1 - p) / n)  # 4 sigma
+
+
+def test_greedy_picks_the_first_maximum_through_the_kernel_and_without_it(cpu_kernels, monkeypatch):
+    """The greedy pick is logits.max(dim=-1).indices whether the CPU kernels' row_argmax runs
+    it (contiguous fp32 rows) or torch does (a strided view, or no kernels)."""
+    import pdserve.engine.sampler as sampler
+
+    logits = torch.randn(6, 1000, generator=torch.Generator().manual_seed(3)).round()  # ties
+    logits[2, 7] = float("nan")
+    expected = logits.max(dim=-1).indices
+    assert torch.equal(sampler.first_max_indices(logits), expected)
+    assert torch.equal(sampler.first_max_indices(logits.t().contiguous().t()), expected)
+    calls = []
+    monkeypatch.setattr(cpu_kernels, "row_argmax", lambda x: calls.append(x) or x.max(dim=-1).indices)
+    sampler.first_max_indices(logits)
+    assert len(calls) == 1  # contiguous fp32 rows go to the kernel
+    monkeypatch.setattr(sampler, "cpu_kernels", lambda: None)
+    assert torch.equal(sampler.first_max_indices(logits), expected)
