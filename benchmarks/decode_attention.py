@@ -6,6 +6,9 @@ KV from memory as the engine's does (442 MB at batch 64 and 300 tokens of contex
 Per dtype and batch, interleaved, median of `--repeats`:
 - `contiguous`: each sequence's blocks one after another in the cache;
 - `scattered`: the blocks at random places (a cache that has served a while);
+- `uneven`: contexts from context/8 to 15 context/8 (the same mean), shortest first, each
+  sequence's blocks one after another: a batch whose long contexts sit together, as a decode
+  batch in arrival order may hold them (how the kernel shares sequences out among threads);
 - `in_cache`: every sequence on the same blocks (one layer's KV stays in L2: the kernel's
   arithmetic alone);
 - `read`: the same caches read by torch (the max of their 16-bit words), two threads: the
@@ -35,12 +38,21 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.report import grouped_bars, panels, write  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
-LAYOUTS = ("contiguous", "scattered", "in_cache")
+LAYOUTS = ("contiguous", "scattered", "uneven", "in_cache")
 
 
 def make(batch: int, context: int, dtype: torch.dtype, layout: str, seed: int = 0):
     """Per layer a (K, V) cache, and the block table and context lengths of the batch."""
     gen = torch.Generator().manual_seed(seed)
+    if layout == "uneven":
+        lens = torch.linspace(context / 8, 15 * context / 8, batch).round().long()
+        counts = (lens + BLOCK - 1) // BLOCK
+        table = torch.zeros(batch, int(counts.max()), dtype=torch.long)
+        for b, first in enumerate((counts.cumsum(0) - counts).tolist()):
+            table[b, :counts[b]] = torch.arange(first, first + int(counts[b]))
+        caches = [tuple(torch.randn(int(counts.sum()), BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+                        for _ in range(2)) for _ in range(LAYERS)]
+        return caches, table, lens, torch.randn(batch, HEADS, HEAD_DIM, generator=gen).to(dtype)
     blocks = -(-context // BLOCK)
     total = blocks if layout == "in_cache" else batch * blocks
     caches = [tuple(torch.randn(total, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype) for _ in range(2))

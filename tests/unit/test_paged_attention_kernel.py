@@ -71,6 +71,22 @@ def test_a_sequences_output_is_the_same_bits_in_any_batch(cpu_kernels, dtype, he
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [24, 64])
+@pytest.mark.parametrize("ctx_lens", [[1500, 1, 3, 1], [1, 2, 1, 3, 900], [5, 1200, 7]])
+def test_threads_sharing_out_very_uneven_contexts_change_no_bits(cpu_kernels, dtype, head_dim, ctx_lens):
+    """The kernel cuts a batch among threads by cached tokens, not by count: one long context
+    among short ones gets a thread to itself, and every sequence keeps the bits it has alone."""
+    q, k_cache, v_cache, tables, lens = make_case(dtype, head_dim, 9, 3, 16, ctx_lens, seed=9)
+    batched = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
+    for b in range(len(ctx_lens)):
+        alone = cpu_kernels.paged_decode_attention(q[b:b + 1].contiguous(), k_cache, v_cache,
+                                                   tables[b:b + 1].contiguous(), lens[b:b + 1], 0.125)
+        assert torch.equal(alone[0], batched[b])
+    expected = reference(q, k_cache, v_cache, tables, lens, 0.125)
+    assert (batched.double() - expected).abs().max().item() < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 5])
 def test_slots_past_the_context_are_never_read(cpu_kernels, dtype, block_size):
     """A block's slots past a sequence's last token hold whatever an earlier owner left (NaN

@@ -259,6 +259,30 @@ struct Operands {
         token_stride(num_kv_heads * head_dim) {}
 };
 
+// `fn(begin, end)` on ranges of sequences [0, num_seqs), one range per thread, cut where the
+// work (cached tokens to attend, plus kSequenceCost for a sequence's own overheads) is
+// shared out evenly rather than the count of sequences: a batch whose long contexts sit
+// together (a decode batch in arrival order) otherwise left one thread idle for a part of
+// the step (benchmarks/README.md). A sequence's arithmetic does not depend on its range.
+template <typename Fn>
+inline void for_balanced_ranges(const int64_t* lens, int64_t num_seqs, Fn fn) {
+  constexpr int64_t kSequenceCost = 32;
+  const int64_t parts = std::min<int64_t>(at::get_num_threads(), num_seqs);
+  if (parts <= 1) return fn(int64_t{0}, num_seqs);
+  std::vector<int64_t> cuts(parts + 1, num_seqs);
+  int64_t total = 0, done = 0;
+  for (int64_t b = 0; b < num_seqs; ++b) total += lens[b] + kSequenceCost;
+  cuts[0] = 0;
+  for (int64_t b = 0, p = 1; b < num_seqs && p < parts; ++b) {
+    done += lens[b] + kSequenceCost;
+    while (p < parts && done * parts >= total * p) cuts[p++] = b + 1;
+  }
+  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      if (cuts[p] < cuts[p + 1]) fn(cuts[p], cuts[p + 1]);
+  });
+}
+
 #if defined(PDSERVE_VECTOR_ATTENTION)
 namespace simd {
 

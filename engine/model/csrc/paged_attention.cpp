@@ -27,7 +27,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
 
   // One work item per sequence: each cached token's K (and V) row, all kv heads together, is
   // one contiguous run of memory, so blocks stream through the cache in order.
-  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+  for_balanced_ranges(len_ptr, num_seqs, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, inv_sums, qf(num_heads * head_dim), acc(num_heads * head_dim), row(token_stride);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t ctx = len_ptr[b];
@@ -324,7 +324,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
                       at::Tensor& out) {
   const Operands<T> o(q, k_cache, v_cache, block_tables, ctx_lens, out);
   const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, o.num_seqs, 1, [&](int64_t begin, int64_t end) { decode_range<T, D>(o, fscale, begin, end); });
+  for_balanced_ranges(o.lens, o.num_seqs, [&](int64_t begin, int64_t end) { decode_range<T, D>(o, fscale, begin, end); });
 }
 
 }  // namespace fast
