@@ -20,7 +20,7 @@ spent, with no floor of its own.
 runs each step shape on the offline engine (the embedded SmolLM2-135M, prefix caching off,
 chunks of `--chunk` tokens), times where its model time goes, and writes
 benchmarks/results/roofline.json (+ .png): per shape and dtype the floor of each part, the
-measured time of each, and the fractions; the CPU's flags say which kernels ran (AVX-512,
+measured time of each (and, outside the model, the sampler's per decode step), and the fractions; the CPU's flags say which kernels ran (AVX-512,
 avx512_bf16, or the AVX2 build), unless `isa_limits` records a narrower build. An AVX2 CPU's
 engine, measured on this one:
 
@@ -155,14 +155,15 @@ def decode_floor(model, batch: int, context: float, bandwidth: float, peak: floa
 
 class PartTimer:
     """Wall time spent in the model's attention, its linear layers (the LM head's included,
-    and the gated gate/up product with its silu epilogue) and its whole forward, while
-    installed (a context manager)."""
+    and the gated gate/up product with its silu epilogue) and its whole forward, and in the
+    sampler (outside the model), while installed (a context manager)."""
 
     def __init__(self, model) -> None:
         import pdserve.engine.model.llama as llama
+        import pdserve.engine.model_runner as runner
 
-        self.llama, self.model = llama, model
-        self.spent = {"attention": 0.0, "linear": 0.0, "forward": 0.0, "lm_head": 0.0}
+        self.llama, self.runner, self.model = llama, runner, model
+        self.spent = {"attention": 0.0, "linear": 0.0, "forward": 0.0, "lm_head": 0.0, "sample": 0.0}
         self.in_lm_head = False
 
     def _timed(self, name, fn):
@@ -182,6 +183,8 @@ class PartTimer:
     def __enter__(self):
         llama, model = self.llama, self.model
         self.saved = (llama.paged_attention, llama.linear, llama.gated_linear, model.forward)
+        self.saved_sampler = self.runner.sample_with_logprobs
+        self.runner.sample_with_logprobs = self._timed("sample", self.saved_sampler)
         llama.paged_attention = self._timed("attention", llama.paged_attention)
         llama.linear = self._timed("linear", llama.linear)
         llama.gated_linear = self._timed("linear", llama.gated_linear)
@@ -191,12 +194,14 @@ class PartTimer:
 
     def __exit__(self, *exc) -> None:
         self.llama.paged_attention, self.llama.linear, self.llama.gated_linear, self.model.forward = self.saved
+        self.runner.sample_with_logprobs = self.saved_sampler
         del self.model.compute_logits  # the instance attribute shadowed the method
 
     def parts_ms(self, steps: int = 1) -> dict:
         s = {k: 1000 * v / steps for k, v in self.spent.items()}
         return {"attention_ms": s["attention"], "linear_ms": s["linear"] + s["lm_head"],
-                "other_ms": s["forward"] - s["attention"] - s["linear"], "model_ms": s["forward"] + s["lm_head"]}
+                "other_ms": s["forward"] - s["attention"] - s["linear"], "model_ms": s["forward"] + s["lm_head"],
+                "sample_ms": s["sample"]}
 
 
 def fractions(floor: dict, measured: dict) -> dict:
