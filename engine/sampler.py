@@ -100,8 +100,8 @@ def sample_with_logprobs(logits: torch.Tensor, params: list[SamplingParams], see
 
 def first_max_indices(logits: torch.Tensor) -> torch.Tensor:
     """Each row's greedy token: the index of its first maximum (a NaN's, if it has one), as
-    `logits.max(dim=-1).indices` gives it (~2x faster than argmax on the CPU); by the CPU
-    kernels' `row_argmax` where they run (~16x faster again at [64, 49152])."""
+    `logits.max(dim=-1).indices` gives it (faster than argmax on the CPU); by the CPU kernels'
+    `row_argmax` where they run, faster again (benchmarks/README.md, "Decode's dispatch")."""
     kernels = cpu_kernels() if logits.device.type == "cpu" else None
     if kernels is not None and logits.dtype == torch.float32 and logits.dim() == 2 and logits.is_contiguous() \
             and logits.shape[1] > 0:

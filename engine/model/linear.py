@@ -124,11 +124,10 @@ def gated_linear(x: torch.Tensor, gate_up: torch.Tensor | PanelWeight,
     """SwiGLU's `silu(gate) * up` of `linear(x, gate_up, bias)` (gate's outputs then up's): on a
     gated PanelWeight in one pass, with the bits of the product followed by `silu_mul`."""
     if isinstance(gate_up, PanelWeight) and gate_up.gated:
-        if x.dim() == 2:  # the model's rows: no reshape and view to pay for (a few us a call at batch 1)
-            return cpu_kernels().panel_silu_mul(x, gate_up.panels, gate_up.out_features // 2, bias)
-        rows = x.reshape(-1, gate_up.in_features)
-        out = cpu_kernels().panel_silu_mul(rows, gate_up.panels, gate_up.out_features // 2, bias)
-        return out.view(*x.shape[:-1], gate_up.out_features // 2)
+        flat = x.dim() == 2  # the model's rows: no reshape and view to pay for (a few us a call at batch 1)
+        out = cpu_kernels().panel_silu_mul(x if flat else x.reshape(-1, gate_up.in_features), gate_up.panels,
+                                           gate_up.out_features // 2, bias)
+        return out if flat else out.view(*x.shape[:-1], gate_up.out_features // 2)
     return silu_mul(linear(x, gate_up, bias))
 
 
@@ -145,11 +144,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PanelWeight, bias: torch.Tens
     than AMX_INVARIANT_ROWS rows runs in blocks of that many (see the module docstring)."""
     if isinstance(weight, PanelWeight):
         assert not weight.gated, "a gated PanelWeight runs in gated_linear"
-        if x.dim() == 2:  # as in gated_linear
-            return cpu_kernels().panel_linear(x, weight.panels, weight.out_features, bias)
-        rows = x.reshape(-1, weight.in_features)
-        out = cpu_kernels().panel_linear(rows, weight.panels, weight.out_features, bias)
-        return out.view(*x.shape[:-1], weight.out_features)
+        flat = x.dim() == 2  # as in gated_linear
+        out = cpu_kernels().panel_linear(x if flat else x.reshape(-1, weight.in_features), weight.panels,
+                                         weight.out_features, bias)
+        return out if flat else out.view(*x.shape[:-1], weight.out_features)
     if weight.layout == torch._mkldnn:
         if _HAS_AMX and x.dim() == 2 and x.shape[0] > AMX_INVARIANT_ROWS and x.dtype == torch.bfloat16:
             return torch.cat([packed_product(block, weight, bias) for block in x.split(AMX_INVARIANT_ROWS)])

@@ -15,6 +15,7 @@
 #include <immintrin.h>
 #endif
 #include <cmath>
+#include <cstring>
 #include <tuple>
 
 #include "elementwise.h"
@@ -151,9 +152,14 @@ std::tuple<at::Tensor, at::Tensor> rope(at::Tensor qk, at::Tensor positions, at:
 // NaN, on the bits: -ffast-math lets the compiler assume none), a second its first position,
 // with the row still in L2.
 namespace {
+uint32_t magnitude_bits(const float* x) {  // |x|'s bits: above 0x7f800000 only for a NaN
+  uint32_t b;
+  std::memcpy(&b, x, sizeof(b));
+  return b & 0x7fffffffu;
+}
+
 int64_t first_max(const float* row, int64_t n) {
-  const uint32_t* bits = reinterpret_cast<const uint32_t*>(row);
-  auto is_nan = [&](int64_t i) { return (bits[i] & 0x7fffffffu) > 0x7f800000u; };
+  auto is_nan = [&](int64_t i) { return magnitude_bits(row + i) > 0x7f800000u; };
   int64_t i = 0, at = 0;
   float m = row[0];
   uint32_t magnitude = 0;
@@ -163,14 +169,14 @@ int64_t first_max(const float* row, int64_t n) {
   const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
   for (; i + 16 <= n; i += 16) {
     vm = _mm512_max_ps(vm, _mm512_loadu_ps(row + i));
-    vmag = _mm512_max_epu32(vmag, _mm512_and_si512(_mm512_loadu_si512(bits + i), abs_mask));
+    vmag = _mm512_max_epu32(vmag, _mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(row + i)), abs_mask));
   }
   m = _mm512_reduce_max_ps(vm);
   magnitude = _mm512_reduce_max_epu32(vmag);
 #endif
   for (; i < n; ++i) {
     m = m > row[i] ? m : row[i];
-    magnitude = std::max(magnitude, bits[i] & 0x7fffffffu);
+    magnitude = std::max(magnitude, magnitude_bits(row + i));
   }
   if (magnitude > 0x7f800000u) {  // rare: scalar
     while (!is_nan(at)) ++at;
@@ -187,8 +193,8 @@ int64_t first_max(const float* row, int64_t n) {
 }
 }  // namespace
 
-// Each fp32 row's first_max: the greedy sampler's pick (torch's max with indices ran 3-8x slower
-// at [64, 49152] on a Zen 4, benchmarks/README.md).
+// Each fp32 row's first_max: the greedy sampler's pick (faster than torch's max with indices:
+// benchmarks/README.md, "Decode's dispatch").
 at::Tensor row_argmax(at::Tensor logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous() &&
                   logits.size(1) > 0,

@@ -345,11 +345,23 @@ void fast_or_portable(const at::Tensor& q, const at::Tensor& k_cache, const at::
     decode_attention_impl<T, D>(q, k_cache, v_cache, block_tables, ctx_lens, scale, out);
 }
 
+// What paged_decode_attention takes, checked (before anything is written, where a call writes).
+static void check_decode_operands(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& ctx_lens) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "expected q [B, H, D] and k/v cache [blocks, block_size, kv_heads, D]");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "q and the caches must be contiguous");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "heads must be a multiple of kv heads");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && ctx_lens.scalar_type() == at::kLong,
+              "block_tables and ctx_lens must be int64");
+}
+
 // Each sequence's new K and V rows (`k`, `v`: [B, kv_heads, D], rows any stride apart) into its
 // slot of the caches (`slots` [B] int64: block * block_size + offset). Every slot is checked
 // before anything is written, so a bad one leaves the caches as they were.
 static void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
-              const at::Tensor& slots) {
+                     const at::Tensor& slots) {
   const int64_t B = k.size(0), kv_heads = k_cache.size(2), D = k_cache.size(3);
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == kv_heads && k.size(2) == D,
               "k and v must be [num_seqs, ", kv_heads, ", ", D, "] to match the cache, got k ", k.sizes(), " and v ",
@@ -383,28 +395,21 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
 // A decode step's attention in one call: each sequence's new K/V written into its slot
 // (write_kv), then paged_decode_attention over the caches, the new token included. The same
 // bits and the same caches as writing the slots with index_copy_ and then attending, without
-// the two copies' dispatch (about 7 us a layer at batch 1, benchmarks/README.md).
+// the two copies' dispatch (benchmarks/README.md, "Decode's dispatch").
 at::Tensor paged_decode_attention_write(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor k_cache,
                                         at::Tensor v_cache, at::Tensor slots, at::Tensor block_tables,
                                         at::Tensor ctx_lens, double scale) {
-  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous(),
-              "expected contiguous k/v caches [blocks, block_size, kv_heads, D] of one shape");
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0), "q [B, H, D] and k [B, kv_heads, D] must "
-              "have one row per sequence, got q ", q.sizes(), " and k ", k.sizes());
+  q = q.contiguous();
+  check_decode_operands(q, k_cache, v_cache, block_tables, ctx_lens);
+  TORCH_CHECK(k.dim() == 3 && q.size(0) == k.size(0), "q [B, H, D] and k [B, kv_heads, D] must have one row per "
+              "sequence, got q ", q.sizes(), " and k ", k.sizes());
   write_kv(k, v, k_cache, v_cache, slots);
-  return paged_decode_attention(q.contiguous(), k_cache, v_cache, block_tables, ctx_lens, scale);
+  return paged_decode_attention(q, k_cache, v_cache, block_tables, ctx_lens, scale);
 }
 
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                      at::Tensor block_tables, at::Tensor ctx_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "expected q [B, H, D] and k/v cache [blocks, block_size, kv_heads, D]");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "q and the caches must be contiguous");
-  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "heads must be a multiple of kv heads");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && ctx_lens.scalar_type() == at::kLong,
-              "block_tables and ctx_lens must be int64");
+  check_decode_operands(q, k_cache, v_cache, block_tables, ctx_lens);
   auto tables = block_tables.contiguous();
   auto lens = ctx_lens.contiguous();
   auto out = at::empty_like(q);
