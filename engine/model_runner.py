@@ -46,6 +46,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = model.device
         self.kv_cache = self.allocate_kv_cache(num_blocks)
+        # each layer's K and V caches, as the model's forward takes them (views, made once)
+        self.layer_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
 
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         """The paged cache `[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]`, zeroed."""
@@ -93,7 +95,7 @@ class ModelRunner:
         hidden states), the layer hook fed as each layer is computed."""
         input_ids, positions, meta = self.prepare(chunks)
         hook = self._layer_hook(chunks) if self.kv_hook is not None else None
-        return self.model.forward(input_ids, positions, meta, self.kv_cache, hook)
+        return self.model.forward(input_ids, positions, meta, self.layer_caches, hook)
 
     def compute_logits(self, rows: torch.Tensor) -> torch.Tensor:
         """fp32 logits `[len(rows), vocab]` of rows of `forward`'s result."""

@@ -38,9 +38,8 @@ def _logits(llm: LLM, token_ids: list[int], logits_rows: int = 256):
         raise ValueError(f"{len(token_ids)} tokens need {num_blocks} free KV blocks")
     chunk = ScheduledChunk("nll", list(token_ids), 0, list(range(num_blocks)), sample=False,
                            output_index=0, seed=0, sampling_params=SamplingParams())
-    input_ids, positions, meta = engine.runner.prepare([chunk])
     model = engine.loaded.model
-    hidden = model.forward(input_ids, positions, meta, engine.runner.kv_cache)
+    hidden = engine.runner.forward([chunk])
     for start in range(0, len(token_ids), logits_rows):
         rows = slice(start, min(start + logits_rows, len(token_ids)))
         yield rows, model.compute_logits(hidden[rows])

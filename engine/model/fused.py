@@ -47,15 +47,18 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def rope(qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-         num_q_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate-half RoPE of `qk` (`[tokens, q_heads + kv_heads, D]`) at `positions`, with the
-    tables `cos`/`sin` (`[max_len, D]`); returns q and k."""
-    kernels = _kernels(qk)
-    if kernels is not None and qk.stride(2) == 1 and qk.stride(1) == qk.shape[2]:
-        return kernels.rope(qk, positions, cos, sin, num_q_heads)
+def rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+         num_q_heads: int, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE of the q and k heads of `qkv` (`[tokens, q_heads + 2 kv_heads, D]`: the
+    fused projection's output as heads) at `positions`, with the tables `cos`/`sin`
+    (`[max_len, D]`); returns q and k, and v (`qkv`'s last kv heads, as they are)."""
+    kernels = _kernels(qkv)
+    if kernels is not None and qkv.stride(2) == 1 and qkv.stride(1) == qkv.shape[2]:
+        return kernels.rope(qkv, positions, cos, sin, num_q_heads, num_kv_heads)
+    heads = num_q_heads + num_kv_heads
+    qk, v = qkv[:, :heads], qkv[:, heads:]
     c, s = cos[positions][:, None], sin[positions][:, None]
     half = qk.shape[-1] // 2
     rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
     out = qk * c + rotated * s
-    return out[:, :num_q_heads], out[:, num_q_heads:]
+    return out[:, :num_q_heads], out[:, num_q_heads:], v

@@ -9,7 +9,7 @@ looks at sequences (engine.model.attention).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from pdserve.engine.model.attention import AttentionMetadata, paged_attention
 from pdserve.engine.model.fused import add_rms_norm, rope
-from pdserve.engine.model.linear import can_pack, gated_linear, linear, pack, pack_gated
+from pdserve.engine.model.linear import can_pack, gated_linear, linear, linear_fp32, pack, pack_gated
 from pdserve.engine.model.weights import CheckpointReader
 
 
@@ -88,12 +88,14 @@ class CausalLM:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
-        kv_cache: torch.Tensor,
+        layer_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         layer_hook: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """Run one step over `[num_tokens]` ids; returns final hidden states `[num_tokens, H]`.
 
-        `kv_cache` is `[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]`.
+        `layer_caches[i]` is layer i's K and V caches, `[num_blocks, block_size, kv_heads,
+        head_dim]` each: views of the runner's `[num_layers, 2, ...]` cache made once
+        (`ModelRunner.layer_caches`), not indexed out of it on every step and layer.
         `layer_hook(layer, k, v)`, if given, sees each layer's new K/V
         (`[num_tokens, kv_heads, head_dim]`) as soon as it is computed, before the next
         layer runs: the prefill worker ships KV from here, overlapping transfer with compute.
@@ -101,18 +103,15 @@ class CausalLM:
         s = self.shape
         num_tokens = input_ids.shape[0]
         hidden = F.embedding(input_ids, self.embed)
-        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        q_size = s.num_heads * s.head_dim
         delta = None  # what the previous layer's MLP adds to the residual stream
         for index, layer in enumerate(self.layers):
             hidden, x = add_rms_norm(hidden, delta, layer.input_norm, s.rms_norm_eps)
-            qkv = linear(x, layer.qkv_weight, layer.qkv_bias)
-            qk, v = qkv.split([q_size + kv_size, kv_size], dim=-1)
-            qk = qk.view(num_tokens, s.num_heads + s.num_kv_heads, s.head_dim)
-            q, k = rope(qk, positions, self.rope_cos, self.rope_sin, s.num_heads)
-            v = v.view(num_tokens, s.num_kv_heads, s.head_dim)
+            qkv = linear(x, layer.qkv_weight, layer.qkv_bias).view(num_tokens, -1, s.head_dim)
+            q, k, v = rope(qkv, positions, self.rope_cos, self.rope_sin, s.num_heads, s.num_kv_heads)
             if layer_hook is not None:
                 layer_hook(index, k, v)
-            attn = paged_attention(q, k, v, kv_cache[index, 0], kv_cache[index, 1], meta, self.scale)
+            attn = paged_attention(q, k, v, *layer_caches[index], meta, self.scale)
             attn_out = linear(attn.reshape(num_tokens, q_size), layer.o_weight, layer.o_bias)
             hidden, x = add_rms_norm(hidden, attn_out, layer.post_norm, s.rms_norm_eps)
             delta = linear(gated_linear(x, layer.gate_up_weight, layer.gate_up_bias), layer.down_weight,
@@ -123,7 +122,7 @@ class CausalLM:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in fp32 for the given rows of final hidden states."""
         if self.lm_head_packed is not None:
-            return linear(hidden, self.lm_head_packed).float()
+            return linear_fp32(hidden, self.lm_head_packed)
         # vocab-major product: MKL runs [vocab, H] @ [H, rows] faster than the row-major
         # form when rows are few (decode batches). Made row-major here: a reduction over
         # the vocabulary of the transposed view (argmax at batch 64) ran 3x slower.

@@ -56,27 +56,38 @@ def test_silu_mul_gives_a_feature_the_same_bits_wherever_it_sits_in_the_row(cpu_
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [16, 64])
-def test_rope_on_a_strided_qkv_slice(cpu_kernels, monkeypatch, dtype, head_dim):
+def test_rope_on_the_fused_qkv_as_heads(cpu_kernels, monkeypatch, dtype, head_dim):
+    """q and k rotated as the torch reference rotates them, and v the last kv heads of qkv as
+    they are, without a copy."""
     gen = torch.Generator().manual_seed(2)
     heads, kv_heads, tokens = 9, 3, 11
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
-    qk = qkv[:, :(heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
+    qkv = qkv.view(tokens, heads + 2 * kv_heads, head_dim)
     angles = torch.arange(100)[:, None] * torch.rand(head_dim // 2, generator=gen)[None]
     cos = torch.cat([angles.cos()] * 2, dim=-1).to(dtype)
     sin = torch.cat([angles.sin()] * 2, dim=-1).to(dtype)
     positions = torch.randint(0, 100, (tokens,), generator=gen)
-    q, k = fused.rope(qk, positions, cos, sin, heads)
-    expected_q, expected_k = reference(monkeypatch, fused.rope, qk, positions, cos, sin, heads)
+    q, k, v = fused.rope(qkv, positions, cos, sin, heads, kv_heads)
+    expected_q, expected_k, expected_v = reference(monkeypatch, fused.rope, qkv, positions, cos, sin, heads, kv_heads)
     assert q.shape == (tokens, heads, head_dim) and k.shape == (tokens, kv_heads, head_dim)
     assert_within_roundings(q, expected_q)
     assert_within_roundings(k, expected_k)
+    assert torch.equal(v, expected_v) and torch.equal(v, qkv[:, heads + kv_heads:])
+    assert v.data_ptr() == qkv[:, heads + kv_heads:].data_ptr()  # a view, not a copy
 
 
 def test_rope_refuses_a_position_past_the_table(cpu_kernels):
-    qk = torch.zeros(2, 4, 16)
+    qkv = torch.zeros(2, 4, 16)
     table = torch.zeros(8, 16)
     with pytest.raises(RuntimeError, match="position out of range"):
-        cpu_kernels.rope(qk, torch.tensor([0, 8]), table, table, 2)
+        cpu_kernels.rope(qkv, torch.tensor([0, 8]), table, table, 2, 1)
+
+
+def test_rope_names_a_head_count_that_does_not_match_qkv(cpu_kernels):
+    qkv = torch.zeros(2, 5, 16)
+    table = torch.zeros(8, 16)
+    with pytest.raises(RuntimeError, match="2 q heads and 2 k and v heads each, got 5"):
+        cpu_kernels.rope(qkv, torch.tensor([0, 1]), table, table, 2, 2)
 
 
 @pytest.mark.parametrize("width", [1, 15, 16, 17, 100, 49152])

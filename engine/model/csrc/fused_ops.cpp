@@ -100,30 +100,33 @@ at::Tensor silu_mul(at::Tensor gate_up) {
   return out;
 }
 
-// RoPE (rotate-half) on the q and k heads of a [tokens, q_heads + kv_heads, D] view (rows may
-// be strided: it is a slice of the fused qkv output), with the cos/sin tables [max_len, D]
-// indexed by positions. Returns q [tokens, q_heads, D] and k [tokens, kv_heads, D], each
-// contiguous: T(T(x * cos) + T(rotate_half(x) * sin)).
-std::tuple<at::Tensor, at::Tensor> rope(at::Tensor qk, at::Tensor positions, at::Tensor cos,
-                                              at::Tensor sin, int64_t num_q_heads) {
-  TORCH_CHECK(qk.dim() == 3 && qk.stride(2) == 1 && qk.stride(1) == qk.size(2), "qk rows must hold contiguous heads");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 1 && positions.size(0) == qk.size(0),
+// RoPE (rotate-half) on the q and k heads of the fused projection's output seen as heads,
+// `qkv` [tokens, q_heads + 2 kv_heads, D] (rows may be strided), with the cos/sin tables
+// [max_len, D] indexed by positions. Returns q [tokens, q_heads, D] and k [tokens, kv_heads,
+// D], each contiguous: T(T(x * cos) + T(rotate_half(x) * sin)); and v, the last kv_heads heads
+// of `qkv` as they are (a view): the layer's split and views in one call.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rope(at::Tensor qkv, at::Tensor positions, at::Tensor cos,
+                                                    at::Tensor sin, int64_t num_q_heads, int64_t num_kv_heads) {
+  TORCH_CHECK(qkv.dim() == 3 && qkv.stride(2) == 1 && qkv.stride(1) == qkv.size(2), "qkv rows must hold contiguous heads");
+  TORCH_CHECK(num_q_heads > 0 && num_kv_heads > 0 && qkv.size(1) == num_q_heads + 2 * num_kv_heads,
+              "qkv must hold ", num_q_heads, " q heads and ", num_kv_heads, " k and v heads each, got ", qkv.size(1));
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 1 && positions.size(0) == qkv.size(0),
               "positions must be int64 [tokens]");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == qk.size(2) &&
-              cos.scalar_type() == qk.scalar_type() && sin.sizes() == cos.sizes(), "cos/sin must be [max_len, D]");
-  const int64_t tokens = qk.size(0), heads = qk.size(1), dim = qk.size(2), half = dim / 2;
-  TORCH_CHECK(num_q_heads > 0 && num_q_heads < heads && dim % 2 == 0, "bad head split");
-  auto q = at::empty({tokens, num_q_heads, dim}, qk.options());
-  auto k = at::empty({tokens, heads - num_q_heads, dim}, qk.options());
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == qkv.size(2) &&
+              cos.scalar_type() == qkv.scalar_type() && sin.sizes() == cos.sizes(), "cos/sin must be [max_len, D]");
+  const int64_t tokens = qkv.size(0), heads = num_q_heads + num_kv_heads, dim = qkv.size(2), half = dim / 2;
+  TORCH_CHECK(dim % 2 == 0, "RoPE needs an even head size, got ", dim);
+  auto q = at::empty({tokens, num_q_heads, dim}, qkv.options());
+  auto k = at::empty({tokens, num_kv_heads, dim}, qkv.options());
   auto pos = positions.contiguous();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qk.scalar_type(), "rope", [&] {
-    const scalar_t* in = qk.data_ptr<scalar_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope", [&] {
+    const scalar_t* in = qkv.data_ptr<scalar_t>();
     const scalar_t* cos_t = cos.data_ptr<scalar_t>();
     const scalar_t* sin_t = sin.data_ptr<scalar_t>();
     const int64_t* p = pos.data_ptr<int64_t>();
     scalar_t* q_out = q.data_ptr<scalar_t>();
     scalar_t* k_out = k.data_ptr<scalar_t>();
-    const int64_t row_stride = qk.stride(0), max_len = cos.size(0);
+    const int64_t row_stride = qkv.stride(0), max_len = cos.size(0);
     for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(p[t] >= 0 && p[t] < max_len, "position out of range");
     at::parallel_for(0, tokens, grain(heads * dim), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
@@ -144,7 +147,7 @@ std::tuple<at::Tensor, at::Tensor> rope(at::Tensor qk, at::Tensor positions, at:
       }
     });
   });
-  return {q, k};
+  return {q, k, qkv.narrow(1, heads, num_kv_heads)};
 }
 
 // The index of the first maximum of `n` floats (a NaN counts as the maximum: the first NaN's),
