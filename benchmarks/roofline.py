@@ -307,7 +307,8 @@ def main() -> None:
         dtype = getattr(torch, name)
         peak = matmul_peak(dtype)
         result["setup"]["matmul_peak_gflop_s"][name] = peak / 1e9
-        llm = LLM(dtype=name, max_model_len=max(lengths) + 16, max_num_batched_tokens=args.chunk,
+        longest = max(max(lengths), args.context + args.steps + 8)  # a prefill, or a decoding request's end
+        llm = LLM(dtype=name, max_model_len=longest + 16, max_num_batched_tokens=args.chunk,
                   max_num_seqs=max(batches), enable_prefix_caching=False)
         model = llm.engine.loaded.model
         measure_prefill(llm, 64, 1)  # warm-up

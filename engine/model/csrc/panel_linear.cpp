@@ -39,7 +39,6 @@
 #include <cstdint>
 
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include "elementwise.h"
@@ -95,6 +94,7 @@ struct Fp32 {
   static Unit broadcast(const Elem* x) { return _mm512_set1_ps(*x); }
   static __m512 madd(__m512 acc, Unit w, Unit x) { return _mm512_fmadd_ps(w, x, acc); }
   static void store(Elem* y, __mmask16 mask, __m512 sum) { _mm512_mask_storeu_ps(y, mask, sum); }
+  static void store_widened(float* y, __mmask16 mask, __m512 sum) { store(y, mask, sum); }
 };
 
 // A tile's sums ([row][vector][lane], fp32) between chunks: the current K block's so far, and
@@ -153,11 +153,13 @@ void tile_chunk_rows(int rows, const typename E::Elem* x, int64_t ldx, const typ
 
 // `rows` rows of x (at most kBlockTiles tiles, rows `K` apart) times the panel at `w`: its first
 // `valid` outputs (the rest not stored) into rows of y `ldy` apart, plus `bias` (fp32, at the
-// panel's first output, or null) before rounding. The panel is walked `chunk` units at a time,
+// panel's first output, or null) before rounding; or, where `widened` is given, into its rows
+// instead, rounded and widened to fp32 (E::store_widened). The panel is walked `chunk` units at a time,
 // every tile taking each chunk in turn (so a chunk of a K block's length or more: tile after tile).
-template <typename E, int J, typename Out>
+template <typename E, int J>
 void row_block(int rows, const typename E::Elem* x, int64_t K, const typename E::Elem* w, int64_t units,
-               int64_t block_units, int64_t chunk, const float* bias, Out* y, int64_t ldy, int64_t valid) {
+               int64_t block_units, int64_t chunk, const float* bias, typename E::Elem* y, int64_t ldy,
+               int64_t valid, float* widened) {
   TileSums sums[kBlockTiles];
   const int tiles = (rows + kTileRows - 1) / kTileRows;
   auto tile_rows = [&](int t) { return std::min(kTileRows, rows - t * kTileRows); };
@@ -178,8 +180,9 @@ void row_block(int rows, const typename E::Elem* x, int64_t K, const typename E:
       for (int r = 0; r < tile_rows(t); ++r) {
         const __m512 total = _mm512_load_ps(sums[t].total[r][j]);
         const __m512 sum = bias ? _mm512_add_ps(total, b) : total;
-        if constexpr (std::is_same_v<Out, typename E::Elem>) E::store(y + (t * kTileRows + r) * ldy + n, mask, sum);
-        else E::store_widened(y + (t * kTileRows + r) * ldy + n, mask, sum);  // bf16 rows, fp32 out
+        const int64_t at = (t * kTileRows + r) * ldy + n;
+        if (widened) E::store_widened(widened + at, mask, sum);
+        else E::store(y + at, mask, sum);
       }
     }
 }
@@ -197,13 +200,14 @@ struct Walk {
 };
 
 // row_block for a panel whose first `valid` outputs are used (its vectors past them skipped).
-template <typename E, typename Out>
+template <typename E>
 void panel_rows(const Walk& walk, int rows, const typename E::Elem* x, int64_t K, const typename E::Elem* w,
-                const float* bias, Out* y, int64_t ldy, int64_t valid) {
+                const float* bias, typename E::Elem* y, int64_t ldy, int64_t valid, float* widened = nullptr) {
   const int64_t vectors = std::min<int64_t>(kPanelVectors, (valid + kLanes - 1) / kLanes);
-  if (vectors == 3) row_block<E, 3>(rows, x, K, w, walk.units, walk.block_units, walk.chunk, bias, y, ldy, valid);
-  else if (vectors == 2) row_block<E, 2>(rows, x, K, w, walk.units, walk.block_units, walk.chunk, bias, y, ldy, valid);
-  else row_block<E, 1>(rows, x, K, w, walk.units, walk.block_units, walk.chunk, bias, y, ldy, valid);
+  const int64_t units = walk.units, block_units = walk.block_units, chunk = walk.chunk;
+  if (vectors == 3) row_block<E, 3>(rows, x, K, w, units, block_units, chunk, bias, y, ldy, valid, widened);
+  else if (vectors == 2) row_block<E, 2>(rows, x, K, w, units, block_units, chunk, bias, y, ldy, valid, widened);
+  else row_block<E, 1>(rows, x, K, w, units, block_units, chunk, bias, y, ldy, valid, widened);
 }
 
 // `bias` (any float dtype, or none) as fp32 in `holder`; its data (null for none).
@@ -227,19 +231,20 @@ struct Placement {
 };
 
 // x [M, K] times the panels `packed` of `out_features` outputs (+ `bias` [N], any float
-// dtype) -> [M, N] in x's dtype, or (`Out` float) rounded to x's dtype and widened to fp32, the
+// dtype) -> [M, N] in x's dtype, or (`fp32_out`) rounded to x's dtype and widened to fp32, the
 // panels' outputs placed by `placement`. Panels are shared out among threads; every row of a
 // panel is computed by the thread that owns it, in the same order whatever M is.
-template <typename E, typename Out = typename E::Elem>
+template <typename E>
 torch::Tensor product(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
-                      const c10::optional<torch::Tensor>& bias, Placement placement) {
+                      const c10::optional<torch::Tensor>& bias, Placement placement, bool fp32_out = false) {
   const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0), panel_size = K * kPanel;
-  auto y = torch::empty({M, N}, x.options().dtype(std::is_same_v<Out, float> ? at::kFloat : x.scalar_type()));
+  auto y = torch::empty({M, N}, fp32_out ? x.options().dtype(at::kFloat) : x.options());
   torch::Tensor bias32;
   const float* b = bias_fp32(bias, bias32);
   const auto* xs = reinterpret_cast<const typename E::Elem*>(x.data_ptr());
   const auto* ws = reinterpret_cast<const typename E::Elem*>(packed.data_ptr());
-  auto* ys = reinterpret_cast<Out*>(y.data_ptr());
+  auto* ys = fp32_out ? nullptr : reinterpret_cast<typename E::Elem*>(y.data_ptr());
+  float* widened = fp32_out ? y.data_ptr<float>() : nullptr;
   if (M == 0) return y;
   const Walk walk = Walk::of<E>(M, K);
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
@@ -247,8 +252,9 @@ torch::Tensor product(const torch::Tensor& x, const torch::Tensor& packed, int64
       const int64_t p = placement.panel(i), n0 = placement.column(p), valid = placement.valid(p);
       for (int64_t m0 = 0; m0 < M; m0 += walk.block_rows) {
         const int rows = static_cast<int>(std::min(walk.block_rows, M - m0));
-        panel_rows<E, Out>(walk, rows, xs + m0 * K, K, ws + p * panel_size, b ? b + n0 : nullptr, ys + m0 * N + n0,
-                           N, valid);
+        const int64_t at = m0 * N + n0;
+        panel_rows<E>(walk, rows, xs + m0 * K, K, ws + p * panel_size, b ? b + n0 : nullptr, ys ? ys + at : nullptr, N,
+                      valid, widened ? widened + at : nullptr);
       }
     }
   });
@@ -285,8 +291,8 @@ torch::Tensor gated_product(const torch::Tensor& x, const torch::Tensor& packed,
       for (int64_t m0 = 0; m0 < M; m0 += walk.block_rows) {
         const int rows = static_cast<int>(std::min(walk.block_rows, M - m0));
         const auto* xr = xs + m0 * K;
-        panel_rows<E, typename E::Elem>(walk, rows, xr, K, w, b ? b + n0 : nullptr, gate, kPanel, valid);
-        panel_rows<E, typename E::Elem>(walk, rows, xr, K, w + panel_size, b ? b + I + n0 : nullptr, up, kPanel, valid);
+        panel_rows<E>(walk, rows, xr, K, w, b ? b + n0 : nullptr, gate, kPanel, valid);
+        panel_rows<E>(walk, rows, xr, K, w + panel_size, b ? b + I + n0 : nullptr, up, kPanel, valid);
         for (int r = 0; r < rows; ++r)
           silu_mul_row(reinterpret_cast<const Value*>(gate + r * kPanel), reinterpret_cast<const Value*>(up + r * kPanel),
                        ys + (m0 + r) * I + n0, valid);
@@ -369,8 +375,7 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t out_fe
   x = checked_rows("panel_linear", x, packed, packed.size(0), out_features);
 #if defined(__AVX512BF16__)
   if (x.scalar_type() == at::kBFloat16)
-    return fp32_out ? product<Bf16, float>(x, packed, out_features, bias, {out_features, false})
-                    : product<Bf16>(x, packed, out_features, bias, {out_features, false});
+    return product<Bf16>(x, packed, out_features, bias, {out_features, false}, fp32_out);
 #endif
 #if defined(__AVX512F__)
   return product<Fp32>(x, packed, out_features, bias, {out_features, false});
