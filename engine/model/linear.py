@@ -155,16 +155,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PanelWeight, bias: torch.Tens
     return F.linear(x, weight, bias)
 
 
-def linear_fp32(x: torch.Tensor, weight: torch.Tensor | PanelWeight) -> torch.Tensor:
-    """`linear(x, weight).float()`: the product rounded to x's dtype, then widened to fp32 (the
-    LM head's logits). On a bf16 PanelWeight the kernel stores the widened values itself, with
-    the same bits, instead of a second pass over `[rows, out]` (0.5 ms a step at 64 rows of
-    SmolLM2's 49,152-word vocabulary)."""
-    if isinstance(weight, PanelWeight) and x.dim() == 2:
-        return cpu_kernels().panel_linear(x, weight.panels, weight.out_features, None, fp32_out=True)
-    return linear(x, weight).float()
-
-
 def packed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """One oneDNN product with a packed weight; a single row is run as two (see linear)."""
     x = x.contiguous()

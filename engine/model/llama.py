@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from pdserve.engine.model.attention import AttentionMetadata, paged_attention
 from pdserve.engine.model.fused import add_rms_norm, rope
-from pdserve.engine.model.linear import can_pack, gated_linear, linear, linear_fp32, pack, pack_gated
+from pdserve.engine.model.linear import can_pack, gated_linear, linear, pack, pack_gated
 from pdserve.engine.model.weights import CheckpointReader
 
 
@@ -122,7 +122,7 @@ class CausalLM:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in fp32 for the given rows of final hidden states."""
         if self.lm_head_packed is not None:
-            return linear_fp32(hidden, self.lm_head_packed)
+            return linear(hidden, self.lm_head_packed).float()
         # vocab-major product: MKL runs [vocab, H] @ [H, rows] faster than the row-major
         # form when rows are few (decode batches). Made row-major here: a reduction over
         # the vocabulary of the transposed view (argmax at batch 64) ran 3x slower.

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pdserve.engine.model.kernels import cpu_kernels
-from pdserve.engine.model.linear import PanelWeight, gated_linear, linear, linear_fp32, pack, pack_gated
+from pdserve.engine.model.linear import PanelWeight, gated_linear, linear, pack, pack_gated
 
 KERNELS = cpu_kernels()
 DTYPES = [pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
@@ -152,25 +152,3 @@ def test_what_the_gated_product_cannot_take_is_named(dtype):
         KERNELS.pack_gated_panels(torch.randn(201, 64).bfloat16())
     with pytest.raises(AssertionError, match="runs in gated_linear"):
         linear(torch.randn(2, 64).bfloat16(), gated)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 7, 64, 65])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_linear_fp32_is_the_product_then_float(dtype, rows, with_bias):
-    """The LM head's fp32 logits stored by the kernel itself: the bits of `linear(...).float()`
-    (each output rounded to x's dtype first), at decode's and prefill's row counts, with outputs
-    ending mid-panel."""
-    gen = torch.Generator().manual_seed(rows)
-    weight = (torch.randn(1000, 576, generator=gen) * 0.05).to(dtype)
-    bias = torch.randn(1000, generator=gen).to(dtype) if with_bias else None
-    x = torch.randn(rows, 576, generator=gen).to(dtype)
-    packed = pack(weight)
-    assert isinstance(packed, PanelWeight)
-    if bias is not None:  # linear_fp32 takes no bias (the LM head has none): check the kernel's own path
-        out = KERNELS.panel_linear(x, packed.panels, 1000, bias, fp32_out=True)
-        expected = linear(x, packed, bias).float()
-    else:
-        out, expected = linear_fp32(x, packed), linear(x, packed).float()
-    assert out.dtype == torch.float32 and out.shape == (rows, 1000)
-    assert torch.equal(out.view(torch.int32), expected.view(torch.int32))

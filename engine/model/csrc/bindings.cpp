@@ -20,8 +20,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor row_argmax(torch::Tensor logits);
 std::vector<std::string> panel_linear_dtypes();
 torch::Tensor pack_panels(torch::Tensor weight);
-torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features, c10::optional<torch::Tensor> bias,
-                           bool fp32_out);
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features, c10::optional<torch::Tensor> bias);
 torch::Tensor pack_gated_panels(torch::Tensor gate_up);
 torch::Tensor panel_silu_mul(torch::Tensor x, torch::Tensor packed, int64_t intermediate,
                              c10::optional<torch::Tensor> bias);
@@ -45,8 +44,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("panel_linear_dtypes") = panel_linear_dtypes();  // the dtypes panel_linear runs in here
   m.def("pack_panels", &pack_panels, "a [out, in] weight in panel_linear's panels");
   m.def("panel_linear", &panel_linear, "x @ W^T (+ bias) on a packed weight; a row's bits never depend on the rows "
-        "beside it; fp32_out: rounded to x's dtype, widened to fp32", py::arg("x"), py::arg("packed"),
-        py::arg("out_features"), py::arg("bias"), py::arg("fp32_out") = false);
+        "beside it");
   m.def("pack_gated_panels", &pack_gated_panels, "stacked [gate; up] weights in panel_silu_mul's pairs of panels");
   m.def("panel_silu_mul", &panel_silu_mul, "silu(gate) * up of x times gated panels: panel_linear then silu_mul in "
         "one pass, with their bits");

@@ -76,11 +76,6 @@ struct Bf16 {
   static void store(Elem* y, __mmask16 mask, __m512 sum) {
     _mm256_mask_storeu_epi16(y, mask, (__m256i)_mm512_cvtneps_pbh(sum));
   }
-  // The sum rounded to bf16 as `store` rounds it, widened back to fp32 (bf16 is fp32's top half).
-  static void store_widened(float* y, __mmask16 mask, __m512 sum) {
-    const __m512i rounded = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(sum));
-    _mm512_mask_storeu_ps(y, mask, _mm512_castsi512_ps(_mm512_slli_epi32(rounded, 16)));
-  }
 };
 #endif
 
@@ -94,7 +89,6 @@ struct Fp32 {
   static Unit broadcast(const Elem* x) { return _mm512_set1_ps(*x); }
   static __m512 madd(__m512 acc, Unit w, Unit x) { return _mm512_fmadd_ps(w, x, acc); }
   static void store(Elem* y, __mmask16 mask, __m512 sum) { _mm512_mask_storeu_ps(y, mask, sum); }
-  static void store_widened(float* y, __mmask16 mask, __m512 sum) { store(y, mask, sum); }
 };
 
 // A tile's sums ([row][vector][lane], fp32) between chunks: the current K block's so far, and
@@ -153,13 +147,12 @@ void tile_chunk_rows(int rows, const typename E::Elem* x, int64_t ldx, const typ
 
 // `rows` rows of x (at most kBlockTiles tiles, rows `K` apart) times the panel at `w`: its first
 // `valid` outputs (the rest not stored) into rows of y `ldy` apart, plus `bias` (fp32, at the
-// panel's first output, or null) before rounding; or, where `widened` is given, into its rows
-// instead, rounded and widened to fp32 (E::store_widened). The panel is walked `chunk` units at a time,
+// panel's first output, or null) before rounding. The panel is walked `chunk` units at a time,
 // every tile taking each chunk in turn (so a chunk of a K block's length or more: tile after tile).
 template <typename E, int J>
 void row_block(int rows, const typename E::Elem* x, int64_t K, const typename E::Elem* w, int64_t units,
                int64_t block_units, int64_t chunk, const float* bias, typename E::Elem* y, int64_t ldy,
-               int64_t valid, float* widened) {
+               int64_t valid) {
   TileSums sums[kBlockTiles];
   const int tiles = (rows + kTileRows - 1) / kTileRows;
   auto tile_rows = [&](int t) { return std::min(kTileRows, rows - t * kTileRows); };
@@ -179,10 +172,7 @@ void row_block(int rows, const typename E::Elem* x, int64_t K, const typename E:
       const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
       for (int r = 0; r < tile_rows(t); ++r) {
         const __m512 total = _mm512_load_ps(sums[t].total[r][j]);
-        const __m512 sum = bias ? _mm512_add_ps(total, b) : total;
-        const int64_t at = (t * kTileRows + r) * ldy + n;
-        if (widened) E::store_widened(widened + at, mask, sum);
-        else E::store(y + at, mask, sum);
+        E::store(y + (t * kTileRows + r) * ldy + n, mask, bias ? _mm512_add_ps(total, b) : total);
       }
     }
 }
@@ -202,12 +192,11 @@ struct Walk {
 // row_block for a panel whose first `valid` outputs are used (its vectors past them skipped).
 template <typename E>
 void panel_rows(const Walk& walk, int rows, const typename E::Elem* x, int64_t K, const typename E::Elem* w,
-                const float* bias, typename E::Elem* y, int64_t ldy, int64_t valid, float* widened = nullptr) {
+                const float* bias, typename E::Elem* y, int64_t ldy, int64_t valid) {
   const int64_t vectors = std::min<int64_t>(kPanelVectors, (valid + kLanes - 1) / kLanes);
-  const int64_t units = walk.units, block_units = walk.block_units, chunk = walk.chunk;
-  if (vectors == 3) row_block<E, 3>(rows, x, K, w, units, block_units, chunk, bias, y, ldy, valid, widened);
-  else if (vectors == 2) row_block<E, 2>(rows, x, K, w, units, block_units, chunk, bias, y, ldy, valid, widened);
-  else row_block<E, 1>(rows, x, K, w, units, block_units, chunk, bias, y, ldy, valid, widened);
+  if (vectors == 3) row_block<E, 3>(rows, x, K, w, walk.units, walk.block_units, walk.chunk, bias, y, ldy, valid);
+  else if (vectors == 2) row_block<E, 2>(rows, x, K, w, walk.units, walk.block_units, walk.chunk, bias, y, ldy, valid);
+  else row_block<E, 1>(rows, x, K, w, walk.units, walk.block_units, walk.chunk, bias, y, ldy, valid);
 }
 
 // `bias` (any float dtype, or none) as fp32 in `holder`; its data (null for none).
@@ -231,20 +220,19 @@ struct Placement {
 };
 
 // x [M, K] times the panels `packed` of `out_features` outputs (+ `bias` [N], any float
-// dtype) -> [M, N] in x's dtype, or (`fp32_out`) rounded to x's dtype and widened to fp32, the
-// panels' outputs placed by `placement`. Panels are shared out among threads; every row of a
-// panel is computed by the thread that owns it, in the same order whatever M is.
+// dtype) -> [M, N] in x's dtype, the panels' outputs placed by `placement`. Panels are shared
+// out among threads; every row of a panel is computed by the thread that owns it, in the same
+// order whatever M is.
 template <typename E>
 torch::Tensor product(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
-                      const c10::optional<torch::Tensor>& bias, Placement placement, bool fp32_out = false) {
+                      const c10::optional<torch::Tensor>& bias, Placement placement) {
   const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0), panel_size = K * kPanel;
-  auto y = torch::empty({M, N}, fp32_out ? x.options().dtype(at::kFloat) : x.options());
+  auto y = torch::empty({M, N}, x.options());
   torch::Tensor bias32;
   const float* b = bias_fp32(bias, bias32);
   const auto* xs = reinterpret_cast<const typename E::Elem*>(x.data_ptr());
   const auto* ws = reinterpret_cast<const typename E::Elem*>(packed.data_ptr());
-  auto* ys = fp32_out ? nullptr : reinterpret_cast<typename E::Elem*>(y.data_ptr());
-  float* widened = fp32_out ? y.data_ptr<float>() : nullptr;
+  auto* ys = reinterpret_cast<typename E::Elem*>(y.data_ptr());
   if (M == 0) return y;
   const Walk walk = Walk::of<E>(M, K);
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
@@ -252,9 +240,8 @@ torch::Tensor product(const torch::Tensor& x, const torch::Tensor& packed, int64
       const int64_t p = placement.panel(i), n0 = placement.column(p), valid = placement.valid(p);
       for (int64_t m0 = 0; m0 < M; m0 += walk.block_rows) {
         const int rows = static_cast<int>(std::min(walk.block_rows, M - m0));
-        const int64_t at = m0 * N + n0;
-        panel_rows<E>(walk, rows, xs + m0 * K, K, ws + p * panel_size, b ? b + n0 : nullptr, ys ? ys + at : nullptr, N,
-                      valid, widened ? widened + at : nullptr);
+        panel_rows<E>(walk, rows, xs + m0 * K, K, ws + p * panel_size, b ? b + n0 : nullptr, ys + m0 * N + n0, N,
+                      valid);
       }
     }
   });
@@ -367,15 +354,12 @@ torch::Tensor checked_rows(const char* op, torch::Tensor x, const torch::Tensor&
 }
 }  // namespace
 
-// x [M, K] times the weight `pack_panels` made of `out_features` outputs (+ `bias` [N]) -> [M, N],
-// in x's dtype; or, `fp32_out`, in fp32 with the same values (each output rounded to x's dtype,
-// then widened: the bits of the product followed by `.float()`, in one pass; the LM head's).
+// x [M, K] times the weight `pack_panels` made of `out_features` outputs (+ `bias` [N]) -> [M, N].
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features,
-                           c10::optional<torch::Tensor> bias, bool fp32_out) {
+                           c10::optional<torch::Tensor> bias) {
   x = checked_rows("panel_linear", x, packed, packed.size(0), out_features);
 #if defined(__AVX512BF16__)
-  if (x.scalar_type() == at::kBFloat16)
-    return product<Bf16>(x, packed, out_features, bias, {out_features, false}, fp32_out);
+  if (x.scalar_type() == at::kBFloat16) return product<Bf16>(x, packed, out_features, bias, {out_features, false});
 #endif
 #if defined(__AVX512F__)
   return product<Fp32>(x, packed, out_features, bias, {out_features, false});
