@@ -80,7 +80,7 @@ def _panel_kernels(weight: torch.Tensor):
     """The CPU kernels when `weight` can be a PanelWeight here (a CPU matrix in a dtype this
     build's `panel_linear` runs, bf16 with an even number of input features, on a CPU without
     AMX, whose oneDNN products `linear` keeps), else None."""
-    if weight.device.type != "cpu" or weight.dim() != 2 or _HAS_AMX:
+    if weight.device.type != "cpu" or weight.dim() != 2:
         return None
     if weight.dtype == torch.bfloat16 and weight.shape[1] % 2:
         return None

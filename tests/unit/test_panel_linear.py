@@ -1,7 +1,8 @@
 """The CPU kernel's linear layer on panels (csrc/panel_linear.cpp, engine.model.linear.PanelWeight),
-in bf16 and fp32: a row's bits never depend on the rows beside it, and they are oneDNN's bits;
-its gated form (SwiGLU's gate and up, then silu(gate) * up) gives the bits of the product
-followed by silu_mul."""
+in bf16 and fp32: a row's bits never depend on the rows beside it, and on AVX-512 (vdpbf16ps,
+FMAs) they are oneDNN's bits; its gated form (SwiGLU's gate and up, then silu(gate) * up) gives
+the bits of the product followed by silu_mul. With AMX, bf16 panels run on tiles (panel_amx.h),
+whose bits are the tiles' own: there the tests hold their invariance and their accuracy."""
 
 import pytest
 import torch
@@ -14,6 +15,11 @@ DTYPES = [pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
               KERNELS is None or "bfloat16" not in KERNELS.panel_linear_dtypes, reason="needs avx512_bf16")),
           pytest.param(torch.float32, marks=pytest.mark.skipif(
               KERNELS is None or "float32" not in KERNELS.panel_linear_dtypes, reason="needs AVX-512"))]
+
+AMX = KERNELS is not None and KERNELS.panel_linear_amx
+# the dtypes whose panels give oneDNN's bits: with AMX, bf16 panels run on tiles instead
+ONEDNN_DTYPES = [DTYPES[0] if not AMX else pytest.param(torch.bfloat16, marks=pytest.mark.skip(
+                     reason="bf16 panels run on AMX tiles here, whose bits are not oneDNN's")), DTYPES[1]]
 
 # SmolLM2-135M's products: qkv, o, gate_up, down; then shapes whose outputs end mid-panel
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (100, 64), (17, 2080)]
@@ -43,7 +49,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", ONEDNN_DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("rows", [2, 3, 9, 17, 64, 65, 130])
 def test_rows_get_onednns_bits(shape, rows, dtype):
@@ -55,7 +61,7 @@ def test_rows_get_onednns_bits(shape, rows, dtype):
     assert torch.equal(bits(linear(x, packed)), bits(onednn(x, weight)))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", ONEDNN_DTYPES)
 @pytest.mark.parametrize("in_features", [64, 576, 1024, 1040, 1536, 2080, 4096])
 def test_the_summation_order_is_onednns(in_features, dtype):
     """512-input blocks up to 1,024 inputs, 1,024-input blocks beyond, the blocks' sums added
@@ -72,12 +78,14 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(dtype):
     x = torch.randn(137, 576, generator=gen).to(dtype)
     packed = pack(weight)
     together = linear(x, packed)
-    # alone, in tiles cut elsewhere, sharing chunks (up to 64 rows), tile by tile (more), all
-    for start, stop in [(0, 1), (5, 6), (3, 11), (0, 37), (20, 37), (0, 64), (1, 66), (0, 137)]:
+    # alone, in tiles cut elsewhere (of 8 rows; of 16 and 32 with AMX), sharing chunks (up to 64
+    # rows), tile by tile (more), all
+    for start, stop in [(0, 1), (5, 6), (3, 11), (0, 16), (0, 17), (15, 48), (0, 37), (20, 37), (0, 64), (1, 66),
+                        (0, 137)]:
         assert torch.equal(bits(linear(x[start:stop], packed)), bits(together[start:stop]))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", ONEDNN_DTYPES)
 def test_bias_is_added_before_rounding_as_onednn_adds_it(dtype):
     gen = torch.Generator().manual_seed(1)
     weight = (torch.randn(100, 576, generator=gen) * 0.05).to(dtype)
@@ -152,3 +160,50 @@ def test_what_the_gated_product_cannot_take_is_named(dtype):
         KERNELS.pack_gated_panels(torch.randn(201, 64).bfloat16())
     with pytest.raises(AssertionError, match="runs in gated_linear"):
         linear(torch.randn(2, 64).bfloat16(), gated)
+
+
+@pytest.mark.skipif(not AMX, reason="needs AMX (amx_bf16, granted by the kernel)")
+@pytest.mark.parametrize("shape", SHAPES)
+def test_amx_products_are_exact_products_summed_in_fp32(shape):
+    """On tiles, each output is its exact bf16 products summed in fp32 (then rounded to bf16),
+    bias added before rounding: within fp32 summation error of the float64 sum, in every
+    output, at row counts on and off the tiles' 16 and 32."""
+    gen = torch.Generator().manual_seed(shape[0])
+    weight = (torch.randn(*shape, generator=gen) * 0.05).bfloat16()
+    bias = torch.randn(shape[0], generator=gen).bfloat16()
+    x = torch.randn(70, shape[1], generator=gen).bfloat16()
+    exact = x.double() @ weight.double().T + bias.double()
+    bound = shape[1] * 2.0**-23 * (x.double().abs() @ weight.double().abs().T)  # fp32 summation error
+    for rows in (1, 16, 33, 70):
+        out = linear(x[:rows], pack(weight), bias).double()
+        rounding = exact[:rows].abs() * 2.0**-8 + bound[:rows]  # bf16's half ulp, then the sums' error
+        assert ((out - exact[:rows]).abs() <= rounding).all(), rows
+
+
+def vdpbf16ps_sums(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """What the AVX-512 bf16 panels compute, in torch: per output, each input pair's products
+    (exact in fp32) added in turn, the pair's second first (vdpbf16ps' order), within blocks of
+    512 inputs (1,024 past 1,024 inputs) whose sums are added in order; rounded to bf16."""
+    xf, wf = x.float(), weight.float()
+    inputs = x.shape[1]
+    block = 512 if inputs <= 1024 else 1024
+    total = None
+    for k0 in range(0, inputs, block):
+        acc = torch.zeros(x.shape[0], weight.shape[0])
+        for k in range(k0, min(inputs, k0 + block), 2):
+            acc = acc + xf[:, k + 1, None] * wf[None, :, k + 1]
+            acc = acc + xf[:, k, None] * wf[None, :, k]
+        total = acc if total is None else total + acc
+    return total.bfloat16()
+
+
+@pytest.mark.skipif(not AMX, reason="needs AMX (amx_bf16, granted by the kernel)")
+def test_amx_takes_weights_whose_inputs_fill_its_tiles():
+    """A bf16 weight runs on tiles when its inputs are a multiple of a tile's 32, else on
+    vdpbf16ps (whose order vdpbf16ps_sums follows): by its shape, never by the rows."""
+    for inputs, tiles in ((578, False), (576, True)):
+        weight = order_revealing(96, inputs, seed=inputs)  # any other order of the sums shows
+        x = torch.ones(9, inputs).bfloat16()
+        out = linear(x, pack(weight))
+        assert torch.equal(bits(out), bits(vdpbf16ps_sums(x, weight))) != tiles, inputs
+        assert torch.equal(bits(linear(x[:1], pack(weight))), bits(out[:1]))

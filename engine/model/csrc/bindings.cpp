@@ -19,6 +19,7 @@ torch::Tensor add_rms_norm(torch::Tensor hidden, c10::optional<torch::Tensor> de
 torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor row_argmax(torch::Tensor logits);
 std::vector<std::string> panel_linear_dtypes();
+bool panel_linear_amx();
 torch::Tensor pack_panels(torch::Tensor weight);
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features, c10::optional<torch::Tensor> bias);
 torch::Tensor pack_gated_panels(torch::Tensor gate_up);
@@ -42,6 +43,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [rows, 2I] gate and up side by side");
   m.def("row_argmax", &row_argmax, "each fp32 row's first maximum (a NaN first), as torch's max(dim=-1).indices");
   m.attr("panel_linear_dtypes") = panel_linear_dtypes();  // the dtypes panel_linear runs in here
+  m.attr("panel_linear_amx") = panel_linear_amx();  // whether bf16 panels run on AMX tiles (K a multiple of 32)
   m.def("pack_panels", &pack_panels, "a [out, in] weight in panel_linear's panels");
   m.def("panel_linear", &panel_linear, "x @ W^T (+ bias) on a packed weight; a row's bits never depend on the rows "
         "beside it");

@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "elementwise.h"
+#include "panel_amx.h"
 
 at::Tensor silu_mul(at::Tensor gate_up);  // fused_ops.cpp
 
@@ -59,6 +60,8 @@ namespace {
 constexpr int kTileRows = 8;                // rows of x per tile: 8 x 3 accumulators
 constexpr int kBlockTiles = 8;              // products of up to this many tiles share each chunk of a panel
 constexpr int64_t kChunkUnits = 32;         // units per chunk (6 KB of a panel); also how far ahead it is fetched
+constexpr int64_t kAmxRows = 16;            // rows of x per AMX tile (panel_amx.h)
+constexpr int64_t kAmxPanelGroup = 8;       // panels sharing each block of rows with AMX (0.4-1.2 MB of weights)
 
 int64_t block_of(int64_t in_features) { return in_features <= 1024 ? 512 : 1024; }
 
@@ -70,6 +73,7 @@ struct Bf16 {
   using Value = c10::BFloat16;  // what an Elem holds, for the element-wise epilogue
   using Unit = __m512bh;
   static constexpr int64_t kInputs = 2;
+  static constexpr bool kAmx = false;
   static Unit weights(const Elem* w) { return (__m512bh)_mm512_loadu_si512(w); }
   static Unit broadcast(const Elem* x) { return (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x)); }
   static __m512 madd(__m512 acc, Unit w, Unit x) { return _mm512_dpbf16_ps(acc, w, x); }
@@ -77,6 +81,13 @@ struct Bf16 {
     _mm256_mask_storeu_epi16(y, mask, (__m256i)_mm512_cvtneps_pbh(sum));
   }
 };
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// bf16 through AMX tiles (panel_amx.h): the same panels and outputs, 16 rows at a time.
+struct AmxBf16 : Bf16 {
+  static constexpr bool kAmx = true;
+};
+#endif
 #endif
 
 // fp32: a unit is one input, one FMA per product.
@@ -85,6 +96,7 @@ struct Fp32 {
   using Value = float;
   using Unit = __m512;
   static constexpr int64_t kInputs = 1;
+  static constexpr bool kAmx = false;
   static Unit weights(const Elem* w) { return _mm512_loadu_ps(w); }
   static Unit broadcast(const Elem* x) { return _mm512_set1_ps(*x); }
   static __m512 madd(__m512 acc, Unit w, Unit x) { return _mm512_fmadd_ps(w, x, acc); }
@@ -145,6 +157,22 @@ void tile_chunk_rows(int rows, const typename E::Elem* x, int64_t ldx, const typ
   }
 }
 
+// Rows [0, rows) of a panel's fp32 sums (`sums`: a row's 48 outputs side by side, rows 48 apart),
+// plus `bias` (fp32, at the panel's first output, or null), rounded to E into rows of y `ldy`
+// apart: the first `valid` outputs, of the first J vectors.
+template <typename E, int J>
+void store_rows(int rows, const float* sums, const float* bias, typename E::Elem* y, int64_t ldy, int64_t valid) {
+  for (int j = 0; j < J; ++j) {
+    const int64_t n = j * kLanes, left = valid - n;
+    const __mmask16 mask = left >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
+    for (int r = 0; r < rows; ++r) {
+      const __m512 total = _mm512_load_ps(sums + r * kPanel + n);
+      E::store(y + r * ldy + n, mask, bias ? _mm512_add_ps(total, b) : total);
+    }
+  }
+}
+
 // `rows` rows of x (at most kBlockTiles tiles, rows `K` apart) times the panel at `w`: its first
 // `valid` outputs (the rest not stored) into rows of y `ldy` apart, plus `bias` (fp32, at the
 // panel's first output, or null) before rounding. The panel is walked `chunk` units at a time,
@@ -166,34 +194,81 @@ void row_block(int rows, const typename E::Elem* x, int64_t K, const typename E:
     }
   }
   for (int t = 0; t < tiles; ++t)
-    for (int j = 0; j < J; ++j) {
-      const int64_t n = j * kLanes, left = valid - n;
-      const __mmask16 mask = left >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
-      const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
-      for (int r = 0; r < tile_rows(t); ++r) {
-        const __m512 total = _mm512_load_ps(sums[t].total[r][j]);
-        E::store(y + (t * kTileRows + r) * ldy + n, mask, bias ? _mm512_add_ps(total, b) : total);
-      }
-    }
+    store_rows<E, J>(tile_rows(t), &sums[t].total[0][0][0], bias, y + t * kTileRows * ldy, ldy, valid);
 }
 
 // How a product of M rows walks each panel: decode-sized products (up to kBlockTiles tiles)
 // share each chunk among all their tiles; larger ones go tile by tile through whole K blocks.
+// With AMX, 32 rows at a time through whole panels, each block of rows taken by a group of
+// panels in turn (kAmxPanelGroup: their weights stay in L2 while the rows come from L1), so a
+// long prompt's rows are read from memory once a group, not once a panel.
 struct Walk {
-  int64_t units, block_units, block_rows, chunk;
+  int64_t units, block_units, block_rows, chunk, panel_group;
   template <typename E>
   static Walk of(int64_t M, int64_t K) {
     const bool shared = M <= kBlockTiles * kTileRows;
     const int64_t block_units = block_of(K) / E::kInputs;
-    return {K / E::kInputs, block_units, shared ? M : kTileRows, shared ? kChunkUnits : block_units};
+    if (E::kAmx) return {K / E::kInputs, block_units, 2 * kAmxRows, block_units, kAmxPanelGroup};
+    return {K / E::kInputs, block_units, shared ? M : kTileRows, shared ? kChunkUnits : block_units, 1};
   }
 };
 
-// row_block for a panel whose first `valid` outputs are used (its vectors past them skipped).
+// Where row block m0's rows of x [M, K] are: in x, or, for AMX's tiles of 16 rows, a last block
+// of fewer rows in a copy padded with zero rows.
 template <typename E>
-void panel_rows(const Walk& walk, int rows, const typename E::Elem* x, int64_t K, const typename E::Elem* w,
+struct RowSource {
+  const typename E::Elem* x;
+  int64_t M, K;
+  torch::Tensor padded;
+  explicit RowSource(const torch::Tensor& rows)
+      : x(reinterpret_cast<const typename E::Elem*>(rows.data_ptr())), M(rows.size(0)), K(rows.size(1)) {
+    if (E::kAmx && M % kAmxRows) {
+      padded = torch::zeros({kAmxRows, K}, rows.options());
+      padded.narrow(0, 0, M % kAmxRows).copy_(rows.narrow(0, M - M % kAmxRows, M % kAmxRows));
+    }
+  }
+  const typename E::Elem* at(int64_t m0) const {
+    return padded.defined() && m0 + kAmxRows > M ? reinterpret_cast<const typename E::Elem*>(padded.data_ptr())
+                                                 : x + m0 * K;
+  }
+};
+
+// Runs `body(begin, end)` over [0, n) on the thread pool, each thread's share between its tile
+// configuration and release where E runs on AMX tiles.
+template <typename E, typename Body>
+void parallel_panels(int64_t n, const Body& body) {
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (E::kAmx) amx::configure();
+    body(begin, end);
+    if (E::kAmx) amx::release();
+#else
+    body(begin, end);
+#endif
+  });
+}
+
+// row_block for a panel whose first `valid` outputs are used (its vectors past them skipped),
+// on rows [m0, m0 + rows) of `xs`; with AMX, up to 32 rows through amx::panel_sums, as one or two
+// tiles of 16 (a last one padded with zero rows: RowSource).
+template <typename E>
+void panel_rows(const Walk& walk, int rows, const RowSource<E>& xs, int64_t m0, const typename E::Elem* w,
                 const float* bias, typename E::Elem* y, int64_t ldy, int64_t valid) {
   const int64_t vectors = std::min<int64_t>(kPanelVectors, (valid + kLanes - 1) / kLanes);
+  const int64_t K = xs.K;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if constexpr (E::kAmx) {
+    alignas(64) float sums[2 * kAmxRows][kPanel];
+    if (rows > kAmxRows)
+      amx::panel_sums<2>(xs.at(m0), xs.at(m0 + kAmxRows), K, w, walk.units, walk.block_units, sums);
+    else
+      amx::panel_sums<1>(xs.at(m0), nullptr, K, w, walk.units, walk.block_units, sums);
+    if (vectors == 3) return store_rows<E, 3>(rows, &sums[0][0], bias, y, ldy, valid);
+    if (vectors == 2) return store_rows<E, 2>(rows, &sums[0][0], bias, y, ldy, valid);
+    return store_rows<E, 1>(rows, &sums[0][0], bias, y, ldy, valid);
+  }
+#endif
+  const typename E::Elem* x = xs.x + m0 * K;
   if (vectors == 3) row_block<E, 3>(rows, x, K, w, walk.units, walk.block_units, walk.chunk, bias, y, ldy, valid);
   else if (vectors == 2) row_block<E, 2>(rows, x, K, w, walk.units, walk.block_units, walk.chunk, bias, y, ldy, valid);
   else row_block<E, 1>(rows, x, K, w, walk.units, walk.block_units, walk.chunk, bias, y, ldy, valid);
@@ -230,20 +305,21 @@ torch::Tensor product(const torch::Tensor& x, const torch::Tensor& packed, int64
   auto y = torch::empty({M, N}, x.options());
   torch::Tensor bias32;
   const float* b = bias_fp32(bias, bias32);
-  const auto* xs = reinterpret_cast<const typename E::Elem*>(x.data_ptr());
   const auto* ws = reinterpret_cast<const typename E::Elem*>(packed.data_ptr());
   auto* ys = reinterpret_cast<typename E::Elem*>(y.data_ptr());
   if (M == 0) return y;
+  const RowSource<E> xs(x);
   const Walk walk = Walk::of<E>(M, K);
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t p = placement.panel(i), n0 = placement.column(p), valid = placement.valid(p);
+  parallel_panels<E>(panels, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; g += walk.panel_group)
       for (int64_t m0 = 0; m0 < M; m0 += walk.block_rows) {
         const int rows = static_cast<int>(std::min(walk.block_rows, M - m0));
-        panel_rows<E>(walk, rows, xs + m0 * K, K, ws + p * panel_size, b ? b + n0 : nullptr, ys + m0 * N + n0, N,
-                      valid);
+        for (int64_t i = g; i < std::min(end, g + walk.panel_group); ++i) {
+          const int64_t p = placement.panel(i), n0 = placement.column(p), valid = placement.valid(p);
+          panel_rows<E>(walk, rows, xs, m0, ws + p * panel_size, b ? b + n0 : nullptr, ys + m0 * N + n0, N,
+                        valid);
+        }
       }
-    }
   });
   return y;
 }
@@ -265,21 +341,20 @@ torch::Tensor gated_product(const torch::Tensor& x, const torch::Tensor& packed,
   auto y = torch::empty({M, I}, x.options());
   torch::Tensor bias32;
   const float* b = bias_fp32(bias, bias32);
-  const auto* xs = reinterpret_cast<const typename E::Elem*>(x.data_ptr());
   const auto* ws = reinterpret_cast<const typename E::Elem*>(packed.data_ptr());
   auto* ys = reinterpret_cast<Value*>(y.data_ptr());
   if (M == 0) return y;
+  const RowSource<E> xs(x);
   const Walk walk = Walk::of<E>(M, K);
-  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+  parallel_panels<E>(pairs, [&](int64_t begin, int64_t end) {
     alignas(64) typename E::Elem gate[kBlockTiles * kTileRows * kPanel], up[kBlockTiles * kTileRows * kPanel];
     for (int64_t p = begin; p < end; ++p) {
       const int64_t n0 = p * kPanel, valid = std::min(kPanel, I - n0);
       const typename E::Elem* w = ws + 2 * p * panel_size;
       for (int64_t m0 = 0; m0 < M; m0 += walk.block_rows) {
         const int rows = static_cast<int>(std::min(walk.block_rows, M - m0));
-        const auto* xr = xs + m0 * K;
-        panel_rows<E>(walk, rows, xr, K, w, b ? b + n0 : nullptr, gate, kPanel, valid);
-        panel_rows<E>(walk, rows, xr, K, w + panel_size, b ? b + I + n0 : nullptr, up, kPanel, valid);
+        panel_rows<E>(walk, rows, xs, m0, w, b ? b + n0 : nullptr, gate, kPanel, valid);
+        panel_rows<E>(walk, rows, xs, m0, w + panel_size, b ? b + I + n0 : nullptr, up, kPanel, valid);
         for (int r = 0; r < rows; ++r)
           silu_mul_row(reinterpret_cast<const Value*>(gate + r * kPanel), reinterpret_cast<const Value*>(up + r * kPanel),
                        ys + (m0 + r) * I + n0, valid);
@@ -303,8 +378,21 @@ std::vector<std::string> panel_linear_dtypes() {
 #endif
 }
 
+// Whether bf16 panels run on AMX tiles here: built for amx_bf16 and granted by the kernel.
+bool panel_linear_amx() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+  return amx::permitted();
+#else
+  return false;
+#endif
+}
+
 namespace {
 int64_t inputs_per_unit(const torch::Tensor& t) { return t.scalar_type() == at::kBFloat16 ? 2 : 1; }
+
+// Whether a bf16 product of K input features runs on AMX tiles (panel_linear_amx, and K a
+// multiple of a tile's 32 inputs), else vdpbf16ps: by the weight's shape alone, never the rows.
+bool amx_runs(int64_t K) { return K % 32 == 0 && panel_linear_amx(); }
 
 void check_dtype(const torch::Tensor& t, const char* what) {
   static const std::vector<std::string> dtypes = panel_linear_dtypes();  // checked on every product
@@ -358,6 +446,10 @@ torch::Tensor checked_rows(const char* op, torch::Tensor x, const torch::Tensor&
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features,
                            c10::optional<torch::Tensor> bias) {
   x = checked_rows("panel_linear", x, packed, packed.size(0), out_features);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+  if (x.scalar_type() == at::kBFloat16 && amx_runs(x.size(1)))
+    return product<AmxBf16>(x, packed, out_features, bias, {out_features, false});
+#endif
 #if defined(__AVX512BF16__)
   if (x.scalar_type() == at::kBFloat16) return product<Bf16>(x, packed, out_features, bias, {out_features, false});
 #endif
@@ -378,6 +470,10 @@ torch::Tensor panel_silu_mul(torch::Tensor x, torch::Tensor packed, int64_t inte
   x = checked_rows("panel_silu_mul", x, packed, packed.size(0) / 2, intermediate);
   TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == 2 * intermediate),
               "panel_silu_mul: the bias must be [2 * ", intermediate, "] (gate's then up's)");
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+  if (x.scalar_type() == at::kBFloat16 && amx_runs(x.size(1)))
+    return gated_product<AmxBf16>(x, packed, intermediate, bias);
+#endif
 #if defined(__AVX512BF16__)
   if (x.scalar_type() == at::kBFloat16) return gated_product<Bf16>(x, packed, intermediate, bias);
 #endif

@@ -1,0 +1,134 @@
+// bf16 products on panel-packed weights through AMX tiles (Intel Xeon with amx_bf16), for
+// panel_linear.cpp: sums of 16 rows of x times one panel of 48 outputs, in fp32.
+//
+// The panels are panel_linear's own (a panel's k-th row: the 48 outputs' weights for the input
+// pair (2k, 2k+1), 192 bytes), which is AMX's pair-interleaved layout already: the weights of
+// 16 pairs for 16 outputs are a B tile of 16 rows of 64 bytes, 192 bytes apart. A tile of 16
+// rows of x (32 inputs each, K * 2 bytes apart) is the A tile; each panel keeps its three
+// vectors' sums in three C tiles (7 of the 8 tiles in all).
+//
+// Rows are always 16: fewer rows are padded with zeros by the caller, and a row's sums depend
+// only on its own inputs and the weight (a tile's rows never mix), so a row's bits are the same
+// at any row count. They are not the bits of vdpbf16ps (the AVX-512 path), which sums a pair's
+// two products in the other order: a weight runs on one path or the other, by its shape alone.
+// Each output sums the pairs in order within blocks of `block_units` pairs, the block sums
+// added in order, as the AVX-512 path does.
+#pragma once
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace amx {
+
+constexpr int kRows = 16;        // rows of x per tile
+constexpr int64_t kUnits = 16;   // input pairs per tile (32 inputs): K must be a multiple of 32
+constexpr int kVectors = 3;      // C tiles per panel (48 outputs)
+
+// Whether this process may use the tiles: Linux grants AMX's state on request (once, for every
+// thread of the process); a kernel that refuses it leaves the AVX-512 path.
+inline bool permitted() {
+  static const bool granted = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return granted;
+}
+
+// All 8 tiles are 16 rows of 64 bytes: C tiles (16 rows x 16 fp32 sums), A tiles (16 rows of x,
+// 32 bf16 inputs each) and B tiles (16 input pairs x 16 outputs).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int t = 0; t < 8; ++t) colsb[t] = 64, rows[t] = kRows;
+  }
+};
+
+// Loads the tile configuration on the calling thread (before a thread's first product; other
+// libraries' AMX kernels load their own).
+inline void configure() {
+  static const TileConfig config;
+  _tile_loadconfig(&config);
+}
+
+// Frees the calling thread's tile state (after its products).
+inline void release() { _tile_release(); }
+
+constexpr int64_t kRowBytes = 192;  // a panel's unit row: 48 outputs x 2 inputs x 2 bytes
+constexpr int64_t kSumsBytes = kVectors * 16 * 4;  // a row of sums: 48 fp32
+
+// One K block (units [k0, k1)) of `tiles` row blocks of 16 rows: x0's (and x1's when `tiles` is
+// 2) rows, `ldx` elements apart, times the panel at `w`, into C tiles 0-2 (x0) and 3-5 (x1).
+// One row block: C 0-2, A 6, B 3-5. Two: C 0-5, each B (tile 7) feeding both A tiles (6).
+template <int tiles>
+inline void block_tiles(const uint16_t* x0, const uint16_t* x1, int64_t ldx, const uint16_t* w, int64_t k0,
+                        int64_t k1) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  if (tiles == 2) {
+    _tile_zero(3);
+    _tile_zero(4);
+    _tile_zero(5);
+  }
+  for (int64_t k = k0; k < k1; k += kUnits) {
+    const char* b = reinterpret_cast<const char*>(w) + k * kRowBytes;
+    if (tiles == 1) {
+      _tile_loadd(6, x0 + 2 * k, ldx * 2);
+      _tile_loadd(3, b, kRowBytes);
+      _tile_loadd(4, b + 64, kRowBytes);
+      _tile_loadd(5, b + 128, kRowBytes);
+      _tile_dpbf16ps(0, 6, 3);
+      _tile_dpbf16ps(1, 6, 4);
+      _tile_dpbf16ps(2, 6, 5);
+    } else {
+      _tile_loadd(7, b, kRowBytes);
+      _tile_loadd(6, x0 + 2 * k, ldx * 2);
+      _tile_dpbf16ps(0, 6, 7);
+      _tile_loadd(6, x1 + 2 * k, ldx * 2);
+      _tile_dpbf16ps(3, 6, 7);
+      _tile_loadd(7, b + 64, kRowBytes);
+      _tile_dpbf16ps(4, 6, 7);
+      _tile_loadd(6, x0 + 2 * k, ldx * 2);
+      _tile_dpbf16ps(1, 6, 7);
+      _tile_loadd(7, b + 128, kRowBytes);
+      _tile_dpbf16ps(2, 6, 7);
+      _tile_loadd(6, x1 + 2 * k, ldx * 2);
+      _tile_dpbf16ps(5, 6, 7);
+    }
+  }
+}
+
+// `tiles` (1 or 2) row blocks of 16 rows of x (x0's, then x1's; rows `ldx` elements apart) times
+// units [0, units) of the panel at `w`, summed in blocks of `block_units` units, into `sums`
+// [16 * tiles][48] (fp32).
+template <int tiles>
+inline void panel_sums(const uint16_t* x0, const uint16_t* x1, int64_t ldx, const uint16_t* w, int64_t units,
+                       int64_t block_units, float (*sums)[kVectors * 16]) {
+  alignas(64) float block[2 * kRows][kVectors * 16];
+  for (int64_t k0 = 0; k0 < units; k0 += block_units) {
+    block_tiles<tiles>(x0, x1, ldx, w, k0, units < k0 + block_units ? units : k0 + block_units);
+    float* out = k0 == 0 ? &sums[0][0] : &block[0][0];
+    _tile_stored(0, out, kSumsBytes);
+    _tile_stored(1, out + 16, kSumsBytes);
+    _tile_stored(2, out + 32, kSumsBytes);
+    if (tiles == 2) {
+      _tile_stored(3, out + kRows * kVectors * 16, kSumsBytes);
+      _tile_stored(4, out + kRows * kVectors * 16 + 16, kSumsBytes);
+      _tile_stored(5, out + kRows * kVectors * 16 + 32, kSumsBytes);
+    }
+    if (k0 != 0)
+      for (int r = 0; r < tiles * kRows; ++r)
+        for (int n = 0; n < kVectors * 16; n += 16)
+          _mm512_store_ps(&sums[r][n], _mm512_add_ps(_mm512_load_ps(&sums[r][n]), _mm512_load_ps(&block[r][n])));
+  }
+}
+
+}  // namespace amx
+#endif
