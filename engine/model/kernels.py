@@ -1,7 +1,7 @@
 """The CPU kernels (csrc/): paged decode and prefill attention (vectorised for AVX-512 or AVX2,
 portable otherwise), the fused token-wise ops of a layer (RMSNorm with the residual add,
 SwiGLU's silu-times-up, RoPE) and, with AVX-512, the linear layers on panel-packed weights
-(engine.model.linear), compiled on first use.
+(engine.model.linear; bf16 on AMX tiles where the CPU has amx_bf16), compiled on first use.
 
 Compiled on the machine that runs it (so `-march=native` is safe) into the pdserve cache and
 reused afterwards. The build directory is keyed by everything the binary depends on: the

@@ -1,5 +1,5 @@
 """Linear layers, with weights pre-packed on the CPU: into panels for the engine's own kernel
-where the CPU has AVX-512 (avx512_bf16 for bf16) and no AMX, otherwise for oneDNN.
+where the CPU has AVX-512 (avx512_bf16 for bf16), otherwise for oneDNN.
 
 With AVX-512: `panel_linear` (csrc/panel_linear.cpp) on a `PanelWeight`, in bf16 and fp32;
 SwiGLU's gate and up projections as one gated PanelWeight whose product `gated_linear` ends
@@ -8,6 +8,11 @@ product followed by `silu_mul`).
 It gives oneDNN's bits (the same summation order, which it documents) at every row count,
 so a worker that cannot build the kernels computes what one that can does, and it streams
 the weights faster at decode's few rows (benchmarks/linear_bf16.py compares the two).
+On a CPU with AMX (an Intel Xeon with amx_bf16), bf16 panels whose inputs are a multiple of
+32 run on AMX tiles instead (csrc/panel_amx.h), 16 or 32 rows at a time, at every row count:
+a row's bits still never depend on the rows beside it, but they are the tiles' own, not
+oneDNN's (nor vdpbf16ps'), so there a worker without the kernels (oneDNN, below) differs from
+one with them in the last bits.
 Through oneDNN: `F.linear` on bf16 CPU tensors reorders the weight into oneDNN's blocked
 layout on every call; packing it once at load (`torch.ops.mkldnn._reorder_linear_weight`,
 what inductor's CPU backend does) makes the small-batch products of decode steps 1.4-2.2x
@@ -18,12 +23,11 @@ faster at 64 rows. The results differ from MKL's in the last bits (a different s
 order): fp32 stays token-identical to Hugging Face in the parity tests, not bit-identical.
 A row's bits must not depend on how many rows share the product (batch invariance): MKL's
 differ below 8 rows, oneDNN's only at 1 row, which `linear` avoids.
-On a CPU with AMX (an Intel Xeon with amx_bf16, measured), oneDNN's bf16 products take
-other kernels past 32 rows, and these differ from the small-row one, and among
-themselves by row count (33 vs 40 rows, 64 vs 512), in the last bits of real activations;
-there `linear` runs a bf16 product of more rows as products of at most 32
-(AMX_INVARIANT_ROWS), which costs 1.5-3.2x the linear time at 64-2048 rows
-(benchmarks/results/linear_rows.json) and keeps a row's bits the same at any row count.
+With AMX and no kernels, oneDNN's bf16 products take other kernels past 32 rows, and these
+differ from the small-row one, and among themselves by row count (33 vs 40 rows, 64 vs 512),
+in the last bits of real activations; there `linear` runs a bf16 product of more rows as
+products of at most 32 (AMX_INVARIANT_ROWS), which costs 1.5-3.2x the linear time at 64-2048
+rows (benchmarks/results/linear_rows.json) and keeps a row's bits the same at any row count.
 Elsewhere (CUDA, fp16, a torch build without the op) weights stay plain tensors and
 `linear` is `F.linear`.
 """
@@ -53,7 +57,7 @@ def cpu_has_amx() -> bool:
         return False
 
 
-_HAS_AMX = cpu_has_amx()  # oneDNN's bf16 rows then need chunking, and its products stay (no panels)
+_HAS_AMX = cpu_has_amx()  # oneDNN's bf16 rows then need chunking (where weights are not panels)
 
 
 @dataclass(frozen=True)
@@ -78,8 +82,7 @@ class PanelWeight:
 
 def _panel_kernels(weight: torch.Tensor):
     """The CPU kernels when `weight` can be a PanelWeight here (a CPU matrix in a dtype this
-    build's `panel_linear` runs, bf16 with an even number of input features, on a CPU without
-    AMX, whose oneDNN products `linear` keeps), else None."""
+    build's `panel_linear` runs, bf16 with an even number of input features), else None."""
     if weight.device.type != "cpu" or weight.dim() != 2:
         return None
     if weight.dtype == torch.bfloat16 and weight.shape[1] % 2:

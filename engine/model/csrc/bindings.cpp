@@ -1,5 +1,5 @@
 // The Python module of the CPU kernels: paged decode and prefill attention, the fused token-wise ops and
-// linear layers on panel-packed weights (with AVX-512: fp32, and bf16 with avx512_bf16).
+// linear layers on panel-packed weights (with AVX-512: fp32, and bf16 with avx512_bf16, on AMX tiles with amx_bf16).
 #include <torch/extension.h>
 
 #include <string>

@@ -24,6 +24,13 @@
 // dtype on AVX-512 without AMX, whose brgemm kernels block K the same way (measured on an AMD
 // EPYC, Zen 5, torch 2.13's oneDNN; tests/unit/test_panel_linear.py holds it).
 //
+// With AMX (amx_bf16, granted by the kernel: panel_amx.h), a bf16 weight whose inputs are a
+// multiple of 32 runs on tiles instead, at every row count: 32 rows (two tiles of 16, a last
+// one padded with zero rows) through a whole panel at a time, in the same K blocks, each block
+// of rows taken by a group of 8 panels in turn so that a long prompt's rows are read from
+// memory once a group. A row's bits are the tiles' (not vdpbf16ps' nor oneDNN's), the same at
+// any row count.
+//
 // Why not oneDNN: decode-sized products (few rows) stream the weights faster this way; the
 // two are compared side by side in benchmarks/linear_bf16.py.
 //
