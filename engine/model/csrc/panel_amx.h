@@ -4,8 +4,8 @@
 // The panels are panel_linear's own (a panel's k-th row: the 48 outputs' weights for the input
 // pair (2k, 2k+1), 192 bytes), which is AMX's pair-interleaved layout already: the weights of
 // 16 pairs for 16 outputs are a B tile of 16 rows of 64 bytes, 192 bytes apart. A tile of 16
-// rows of x (32 inputs each, K * 2 bytes apart) is the A tile; each panel keeps its three
-// vectors' sums in three C tiles (7 of the 8 tiles in all).
+// rows of x (32 inputs each, K * 2 bytes apart) is the A tile; a panel keeps its three
+// vectors' sums of each 16 rows in three C tiles (amx.h has the tiles' configuration).
 //
 // Rows are always 16: fewer rows are padded with zeros by the caller, and a row's sums depend
 // only on its own inputs and the weight (a tile's rows never mix), so a row's bits are the same
@@ -15,50 +15,15 @@
 // added in order, as the AVX-512 path does.
 #pragma once
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 
-#include <cstdint>
+#if defined(PDSERVE_AMX)
 #include <cstring>
 
 namespace amx {
 
-constexpr int kRows = 16;        // rows of x per tile
 constexpr int64_t kUnits = 16;   // input pairs per tile (32 inputs): K must be a multiple of 32
-constexpr int kVectors = 3;      // C tiles per panel (48 outputs)
-
-// Whether this process may use the tiles: Linux grants AMX's state on request (once, for every
-// thread of the process); a kernel that refuses it leaves the AVX-512 path.
-inline bool permitted() {
-  static const bool granted = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
-  }();
-  return granted;
-}
-
-// All 8 tiles are 16 rows of 64 bytes: C tiles (16 rows x 16 fp32 sums), A tiles (16 rows of x,
-// 32 bf16 inputs each) and B tiles (16 input pairs x 16 outputs).
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-  TileConfig() {
-    for (int t = 0; t < 8; ++t) colsb[t] = 64, rows[t] = kRows;
-  }
-};
-
-// Loads the tile configuration on the calling thread (before a thread's first product; other
-// libraries' AMX kernels load their own).
-inline void configure() {
-  static const TileConfig config;
-  _tile_loadconfig(&config);
-}
-
-// Frees the calling thread's tile state (after its products).
-inline void release() { _tile_release(); }
+constexpr int kVectors = 3;      // C tiles per panel row block (48 outputs)
 
 constexpr int64_t kRowBytes = 192;  // a panel's unit row: 48 outputs x 2 inputs x 2 bytes
 constexpr int64_t kSumsBytes = kVectors * 16 * 4;  // a row of sums: 48 fp32

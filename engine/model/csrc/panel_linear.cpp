@@ -89,7 +89,7 @@ struct Bf16 {
   }
 };
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(PDSERVE_AMX)
 // bf16 through AMX tiles (panel_amx.h): the same panels and outputs, 16 rows at a time.
 struct AmxBf16 : Bf16 {
   static constexpr bool kAmx = true;
@@ -245,13 +245,13 @@ struct RowSource {
 template <typename E, typename Body>
 void parallel_panels(int64_t n, const Body& body) {
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    if (E::kAmx) amx::configure();
-    body(begin, end);
-    if (E::kAmx) amx::release();
-#else
-    body(begin, end);
+#if defined(PDSERVE_AMX)
+    if (E::kAmx) {
+      const amx::Scope tiles;
+      return body(begin, end);
+    }
 #endif
+    body(begin, end);
   });
 }
 
@@ -263,7 +263,7 @@ void panel_rows(const Walk& walk, int rows, const RowSource<E>& xs, int64_t m0, 
                 const float* bias, typename E::Elem* y, int64_t ldy, int64_t valid) {
   const int64_t vectors = std::min<int64_t>(kPanelVectors, (valid + kLanes - 1) / kLanes);
   const int64_t K = xs.K;
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(PDSERVE_AMX)
   if constexpr (E::kAmx) {
     alignas(64) float sums[2 * kAmxRows][kPanel];
     if (rows > kAmxRows)
@@ -387,7 +387,7 @@ std::vector<std::string> panel_linear_dtypes() {
 
 // Whether bf16 panels run on AMX tiles here: built for amx_bf16 and granted by the kernel.
 bool panel_linear_amx() {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(PDSERVE_AMX) && defined(__AVX512BF16__)
   return amx::permitted();
 #else
   return false;
@@ -453,7 +453,7 @@ torch::Tensor checked_rows(const char* op, torch::Tensor x, const torch::Tensor&
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features,
                            c10::optional<torch::Tensor> bias) {
   x = checked_rows("panel_linear", x, packed, packed.size(0), out_features);
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(PDSERVE_AMX) && defined(__AVX512BF16__)
   if (x.scalar_type() == at::kBFloat16 && amx_runs(x.size(1)))
     return product<AmxBf16>(x, packed, out_features, bias, {out_features, false});
 #endif
@@ -477,7 +477,7 @@ torch::Tensor panel_silu_mul(torch::Tensor x, torch::Tensor packed, int64_t inte
   x = checked_rows("panel_silu_mul", x, packed, packed.size(0) / 2, intermediate);
   TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == 2 * intermediate),
               "panel_silu_mul: the bias must be [2 * ", intermediate, "] (gate's then up's)");
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(PDSERVE_AMX) && defined(__AVX512BF16__)
   if (x.scalar_type() == at::kBFloat16 && amx_runs(x.size(1)))
     return gated_product<AmxBf16>(x, packed, intermediate, bias);
 #endif
