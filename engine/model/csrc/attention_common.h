@@ -21,6 +21,8 @@
 #include <immintrin.h>
 #endif
 
+#include "amx.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -259,6 +261,14 @@ struct Operands {
         token_stride(num_kv_heads * head_dim) {}
 };
 
+// AMX's tiles configured on a thread while its share of a kernel runs (score_rows scores on
+// them where the CPU has AMX); nothing elsewhere.
+#if defined(PDSERVE_AMX)
+using TileScope = amx::Scope;
+#else
+struct TileScope {};
+#endif
+
 // `fn(begin, end)` on ranges of sequences [0, num_seqs), one range per thread, cut where the
 // work (cached tokens to attend, plus kSequenceCost for a sequence's own overheads) is
 // shared out evenly rather than the count of sequences: a batch whose long contexts sit
@@ -268,7 +278,10 @@ template <typename Fn>
 inline void for_balanced_ranges(const int64_t* lens, int64_t num_seqs, Fn fn) {
   constexpr int64_t kSequenceCost = 32;
   const int64_t parts = std::min<int64_t>(at::get_num_threads(), num_seqs);
-  if (parts <= 1) return fn(int64_t{0}, num_seqs);
+  if (parts <= 1) {
+    const TileScope tiles;
+    return fn(int64_t{0}, num_seqs);
+  }
   std::vector<int64_t> cuts(parts + 1, num_seqs);
   int64_t total = 0, done = 0;
   for (int64_t b = 0; b < num_seqs; ++b) total += lens[b] + kSequenceCost;
@@ -278,6 +291,7 @@ inline void for_balanced_ranges(const int64_t* lens, int64_t num_seqs, Fn fn) {
     while (p < parts && done * parts >= total * p) cuts[p++] = b + 1;
   }
   at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+    const TileScope tiles;
     for (int64_t p = begin; p < end; ++p)
       if (cuts[p] < cuts[p + 1]) fn(cuts[p], cuts[p + 1]);
   });
@@ -386,10 +400,21 @@ inline __m512bh pair_at(const void* p) { return (__m512bh)_mm512_set1_epi32(pair
 // so every kernel that scores through this function gives a token the same bits. (The
 // chain runs one instruction per pair; its latency is hidden by the R x NB independent
 // chains, and no horizontal reduction is needed: 64 FLOPs per instruction.)
+//
+// With AMX (where the kernel grants it, and D a multiple of 32) the chain is AMX's instead:
+// score_rows_amx, the same for every kernel and every R and NB, so the same holds.
+template <int64_t D, int R, int NB>
+inline void score_rows_amx(const __m512i* kt, const c10::BFloat16* q, int64_t q_stride, float scale,
+                           __m512 (&out)[NB][R]);
+
 template <int64_t D, int R, int NB>
 inline void score_rows(const __m512i* kt, const c10::BFloat16* q, int64_t q_stride, float scale,
                        __m512 (&out)[NB][R]) {
   constexpr int64_t P = D / 2;
+#if defined(PDSERVE_AMX)
+  if constexpr (P % 16 == 0)
+    if (amx::permitted()) return score_rows_amx<D, R, NB>(kt, q, q_stride, scale, out);
+#endif
   __m512 acc[NB][R];
   for (int b = 0; b < NB; ++b)
     for (int r = 0; r < R; ++r) acc[b][r] = _mm512_setzero_ps();
@@ -406,6 +431,38 @@ inline void score_rows(const __m512i* kt, const c10::BFloat16* q, int64_t q_stri
   for (int b = 0; b < NB; ++b)
     for (int r = 0; r < R; ++r) out[b][r] = _mm512_mul_ps(acc[b][r], s);
 }
+
+#if defined(PDSERVE_AMX)
+// score_rows on AMX tiles (configured by the calling thread's TileScope): the R query rows are
+// an A tile (16 rows; fewer are copied and padded with zero rows, which never reach `out`),
+// each group of keys in lanes is B tiles as it is (pairs of dims x 16 tokens), and each
+// score is AMX's sum over the D/2 pairs, 16 pairs per instruction in order, then times scale.
+template <int64_t D, int R, int NB>
+inline void score_rows_amx(const __m512i* kt, const c10::BFloat16* q, int64_t q_stride, float scale,
+                           __m512 (&out)[NB][R]) {
+  constexpr int64_t P = D / 2;
+  alignas(64) c10::BFloat16 padded[R < amx::kRows ? amx::kRows * D : 1];
+  const c10::BFloat16* a = q;
+  int64_t lda = q_stride;
+  if constexpr (R < amx::kRows) {
+    for (int r = 0; r < R; ++r) std::copy_n(q + r * q_stride, D, padded + r * D);
+    std::fill(padded + R * D, padded + amx::kRows * D, c10::BFloat16(0.f));
+    a = padded, lda = D;
+  }
+  alignas(64) float sums[amx::kRows][16];
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int b = 0; b < NB; ++b) {
+    _tile_zero(0);
+    for (int64_t c = 0; c < P; c += 16) {
+      _tile_loadd(1, a + 2 * c, lda * 2);
+      _tile_loadd(2, kt + b * P + c, 64);
+      _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, sums, 64);
+    for (int r = 0; r < R; ++r) out[b][r] = _mm512_mul_ps(_mm512_load_ps(sums[r]), s);
+  }
+}
+#endif
 #endif
 
 // The steps of the tree that adds up a token's kLanes partial sums (score_lanes_rows): lanes

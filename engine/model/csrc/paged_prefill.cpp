@@ -337,6 +337,7 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
   const float fscale = static_cast<float>(scale);
   const int64_t num_tiles = (n + tile_size - 1) / tile_size;
   at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
+    const TileScope tiles;
     TileBuffers buf;
     for (int64_t k = begin; k < end; ++k) {
       const int64_t q0 = balanced_tile(k, num_tiles) * tile_size, nq = std::min(tile_size, n - q0);
