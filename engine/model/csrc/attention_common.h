@@ -636,6 +636,92 @@ inline float exp_row_to_bf16(const float* s, int64_t len, uint16_t* o) {
   o[len] = 0;
   return 1.f / _mm512_reduce_add_ps(sum);
 }
+
+#if defined(PDSERVE_AMX)
+// Whether bf16 P.V runs on AMX tiles (weigh_tiles_amx) for head size D and `block_size`, in
+// both kernels alike: where the kernel grants AMX, D is a multiple of 32 and block_size an
+// even power of two (so the prefill kernel's spans start at multiples of a tile's 32 tokens).
+template <int64_t D>
+inline bool values_on_tiles(int64_t block_size) {
+  return D % 32 == 0 && block_size >= 2 && (block_size & (block_size - 1)) == 0 && amx::permitted();
+}
+
+// Pairs [p0, p1) of value_tiles' layout into `to` (pair p0 first).
+template <int64_t D, typename Row>
+inline void value_pairs(const Row& row, int64_t p0, int64_t p1, int64_t n, uint16_t* to) {
+  constexpr int64_t C = D / 16;
+  for (int64_t p = p0; p < p1; ++p, to += C * 32) {
+    if (2 * p >= n) {
+      std::fill_n(to, C * 32, uint16_t{0});
+      continue;
+    }
+    __m512bh v[C];
+    pair_rows<D>(row(2 * p), 2 * p + 1 < n ? row(2 * p + 1) : nullptr, v);
+    for (int64_t c = 0; c < C; ++c) _mm512_storeu_si512(to + c * 32, (__m512i)v[c]);
+  }
+}
+
+// V of tokens [0, n) of one kv head (`row(t)`: token t's bf16 row) as AMX B tiles: pair p
+// holds tokens 2p and 2p + 1 (pair_rows' vectors: lanes 2i, 2i + 1 of vector c are dim 16c + i
+// of each), a last token's missing partner and the pairs past n zero, in whole tiles of 16
+// pairs: `pairs` [tiles * 16][D / 16][32]. Returns the tiles.
+template <int64_t D, typename Row>
+inline int64_t value_tiles(const Row& row, int64_t n, std::vector<uint16_t>& pairs) {
+  const int64_t tiles = (n + 31) / 32;
+  pairs.resize(tiles * 16 * (D / 16) * 32);
+  value_pairs<D>(row, 0, tiles * 16, n, pairs.data());
+  return tiles;
+}
+
+
+// 16 rows of fp32 accumulators (`acc`, rows D apart) plus their bf16 probabilities (`probs`,
+// rows `p_stride` apart, tile j's 32 tokens at probs + 32j, zero past a row's tokens) times
+// `tiles` tiles of V pairs (value_tiles), on AMX (the calling thread's TileScope): per 16 dims,
+// one instruction per tile of 32 tokens, in order. A row's sums depend only on its own
+// probabilities and the tokens' V: zero probabilities add nothing, whatever the V beside
+// them, so a query weighed among others (prefill) or alone (decode) gets the same bits.
+// Up to 4 groups of 16 dims at a time, each in its own C tile (0, 3, 4, 5), so that their
+// chains of instructions overlap and each tile of probabilities (A: tile 1) is loaded once for
+// them; B tiles 2, 6, 7 in turn.
+// `pairs_of(j)`: tile j's 16 pairs ([16][D / 16][32], as value_tiles lays them out), asked for
+// once per tile per 64 dims.
+template <int64_t D, typename PairsOf>
+inline void weigh_tiles_amx(const uint16_t* probs, int64_t p_stride, const PairsOf& pairs_of, int64_t tiles,
+                            float* acc) {
+  constexpr int64_t C = D / 16;  // even: D is a multiple of 32
+  constexpr int64_t kB = C * 64;  // bytes between a tile's pairs
+  for (int64_t c0 = 0; c0 < C; c0 += 4) {
+    const bool four = C - c0 >= 4;
+    float* a = acc + 16 * c0;
+    _tile_loadd(0, a, D * 4);
+    _tile_loadd(3, a + 16, D * 4);
+    if (four) {
+      _tile_loadd(4, a + 32, D * 4);
+      _tile_loadd(5, a + 48, D * 4);
+    }
+    for (int64_t j = 0; j < tiles; ++j) {
+      const uint16_t* b = pairs_of(j) + c0 * 32;
+      _tile_loadd(1, probs + 32 * j, p_stride * 2);
+      _tile_loadd(2, b, kB);
+      _tile_dpbf16ps(0, 1, 2);
+      _tile_loadd(6, b + 32, kB);
+      _tile_dpbf16ps(3, 1, 6);
+      if (four) {
+        _tile_loadd(7, b + 64, kB);
+        _tile_dpbf16ps(4, 1, 7);
+        _tile_loadd(2, b + 96, kB);
+        _tile_dpbf16ps(5, 1, 2);
+      }
+    }
+    _tile_stored(0, a, D * 4);
+    _tile_stored(3, a + 16, D * 4);
+    if (four) {
+      _tile_stored(4, a + 32, D * 4);
+      _tile_stored(5, a + 48, D * 4);
+    }
+  }
+}
+#endif
 #endif
 
 }  // namespace simd

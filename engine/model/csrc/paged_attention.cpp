@@ -235,6 +235,43 @@ inline void score_sequence_bf16(const c10::BFloat16* q, const SequenceBlocks<c10
 }
 #endif
 
+#if defined(PDSERVE_AMX)
+// One sequence's P.V on AMX tiles (values_on_tiles): per kv head, its group's probabilities
+// (exp_row_to_bf16 of `scores` [heads][ctx]; 1/sum into inv_sums) as rows of 32-token tiles
+// (zero past ctx), its V as value_tiles, weighed by weigh_tiles_amx 16 rows at a time into
+// `acc` [heads][D] (the prefill kernel weighs a token's row the same way).
+template <int64_t D>
+inline void weigh_sequence_amx(const Operands<c10::BFloat16>& o, const SequenceBlocks<c10::BFloat16>& blocks,
+                               int64_t ctx, const float* scores, std::vector<float>& inv_sums,
+                               std::vector<uint16_t>& probs, std::vector<uint16_t>& pairs, std::vector<float>& sums,
+                               float* acc) {
+  const int64_t group = o.group, block_size = o.block_size, rows = (group + amx::kRows - 1) / amx::kRows * amx::kRows;
+  const int64_t p_stride = (ctx + 1 + 31) / 32 * 32;  // exp_row_to_bf16 writes ctx + 1 entries
+  sums.resize(rows * D);
+  pairs.resize(16 * D * 2);  // one tile's pairs at a time, made as they are weighed (they stay in L1)
+  probs.assign(rows * p_stride, 0);  // exp_row_to_bf16 writes the same entries of a row for every kv head
+  const int64_t tiles = (ctx + 31) / 32;
+  for (int64_t kv_head = 0; kv_head < o.num_kv_heads; ++kv_head) {
+    for (int64_t j = 0; j < group; ++j) {
+      const int64_t h = kv_head * group + j;
+      inv_sums[h] = exp_row_to_bf16(scores + h * ctx, ctx, probs.data() + j * p_stride);
+    }
+    const auto row = [&](int64_t t) {
+      return blocks.v + blocks.table[t / block_size] * blocks.block_stride + (t % block_size) * o.token_stride +
+             kv_head * D;
+    };
+    const auto pairs_of = [&](int64_t j) {
+      value_pairs<D>(row, 16 * j, 16 * j + 16, ctx, pairs.data());
+      return pairs.data();
+    };
+    std::fill(sums.begin(), sums.end(), 0.f);
+    for (int64_t r0 = 0; r0 < rows; r0 += amx::kRows)
+      weigh_tiles_amx<D>(probs.data() + r0 * p_stride, p_stride, pairs_of, tiles, sums.data() + r0 * D);
+    std::copy_n(sums.data(), group * D, acc + kv_head * group * D);
+  }
+}
+#endif
+
 // Sequences [begin, end): per sequence its scores, their softmax (bf16 pairs: exps rounded
 // to bf16, the sum's reciprocal applied at the end), and the probabilities times V, block by
 // block, into fp32 rows that are rounded to T once at the end.
@@ -250,8 +287,21 @@ void decode_range(const Operands<T>& o, float scale, int64_t begin, int64_t end)
 #endif
   const int64_t num_heads = o.num_heads, group = o.group, block_size = o.block_size, token_stride = o.token_stride;
   std::vector<float> scores, inv_sums(num_heads), acc(num_heads * D);
-  std::vector<uint16_t> probs16;  // bf16 probabilities, for weigh_block_bf16
+  std::vector<uint16_t> probs16, pairs;  // bf16 probabilities, for weigh_block_bf16; V pairs (AMX)
+  std::vector<float> sums;  // a kv head's weighted sums on AMX, 16 rows at a time
   alignas(64) float row[D];
+  // sequence b's weighted sums (`acc`) times 1/sum (bf16) into its output rows
+  const auto finish = [&](int64_t b) {
+    for (int64_t h = 0; h < num_heads; ++h) {
+      T* out = o.out + (b * num_heads + h) * D;
+      const vfloat norm = vset1(kPairedValues ? inv_sums[h] : 1.f);
+      for (int64_t c = 0; c < C; ++c) {
+        const vfloat sum = vload(&acc[h * D + kLanes * c]);
+        vstore(row + kLanes * c, kPairedValues ? vmul(sum, norm) : sum);
+      }
+      for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T>(row[d]);
+    }
+  };
   for (int64_t b = begin; b < end; ++b) {
     const int64_t ctx = o.lens[b];
     const SequenceBlocks<T> blocks{o.k, o.v, o.tables + b * o.max_blocks, (ctx + block_size - 1) / block_size,
@@ -264,6 +314,15 @@ void decode_range(const Operands<T>& o, float scale, int64_t begin, int64_t end)
     else
 #endif
       score_sequence<T, D>(q, blocks, num_heads, group, block_size, token_stride, ctx, scale, scores.data());
+#if defined(PDSERVE_AMX)
+    if constexpr (kPairedValues) {
+      if (values_on_tiles<D>(block_size)) {
+        weigh_sequence_amx<D>(o, blocks, ctx, scores.data(), inv_sums, probs16, pairs, sums, acc.data());
+        finish(b);
+        continue;
+      }
+    }
+#endif
 #if defined(__AVX512BF16__)
     if constexpr (kPairedValues) {
       probs16.resize(num_heads * (ctx + 1));
@@ -306,15 +365,7 @@ void decode_range(const Operands<T>& o, float scale, int64_t begin, int64_t end)
         }
       }
     }
-    for (int64_t h = 0; h < num_heads; ++h) {
-      T* out = o.out + (b * num_heads + h) * D;
-      const vfloat norm = vset1(kPairedValues ? inv_sums[h] : 1.f);
-      for (int64_t c = 0; c < C; ++c) {
-        const vfloat sum = vload(&acc[h * D + kLanes * c]);
-        vstore(row + kLanes * c, kPairedValues ? vmul(sum, norm) : sum);
-      }
-      for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T>(row[d]);
-    }
+    finish(b);
   }
 }
 

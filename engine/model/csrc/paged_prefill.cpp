@@ -140,6 +140,28 @@ inline void weigh_span_bf16(const c10::BFloat16* const* values, int64_t token_st
 }
 #endif
 
+#if defined(PDSERVE_AMX)
+// weigh_span_bf16 on AMX tiles (values_on_tiles): the span's V as value_tiles, and the tile's
+// rows (query-major, padded with zero rows to a multiple of 16) weighed 16 at a time by
+// weigh_tiles_amx, over the span's tiles of 32 tokens that the block's last query reaches; a
+// row's probabilities past its own tokens are zero (`probs16` rows `p_stride` apart, the
+// span's first token at column `first`, a multiple of 32), so it gets the decode kernel's bits.
+template <int64_t D>
+inline void weigh_span_amx(const c10::BFloat16* const* values, int64_t token_stride, int64_t block_size,
+                           int64_t span_tokens, int64_t first, int64_t ctx0, int64_t rows, const uint16_t* probs16,
+                           int64_t p_stride, float* acc, std::vector<uint16_t>& pairs, const int64_t* query_of) {
+  const auto row = [&](int64_t t) { return values[t / block_size] + (t % block_size) * token_stride; };
+  value_tiles<D>(row, span_tokens, pairs);
+  const auto pairs_of = [&](int64_t j) { return pairs.data() + j * 16 * D * 2; };  // 16 pairs of D dims x 2
+  for (int64_t r0 = 0; r0 < rows; r0 += amx::kRows) {
+    const int64_t last = std::min(rows, r0 + amx::kRows) - 1;
+    const int64_t reach = std::clamp<int64_t>(ctx0 + query_of[last] - first, 0, span_tokens);
+    if (reach > 0)
+      weigh_tiles_amx<D>(probs16 + r0 * p_stride + first, p_stride, pairs_of, (reach + 31) / 32, acc + r0 * D);
+  }
+}
+#endif
+
 #if defined(__AVX512BF16__)
 constexpr int kRows = 16;  // query rows scored together against one group of keys in lanes
 
@@ -197,11 +219,18 @@ inline void prefill_tile_bf16(const c10::BFloat16* q_ptr, const c10::BFloat16* k
                               TileBuffers& buf) {
   const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * D;
   const int64_t block_stride = block_size * token_stride, rows = nq * group;
-  const int64_t ctx0 = start_pos + q0 + 1, ctx_max = start_pos + q0 + nq, p_stride = ctx_max + 1;
+  bool on_tiles = false;  // P.V on AMX tiles: probabilities in rows of whole tiles, a multiple of 16 rows
+#if defined(PDSERVE_AMX)
+  on_tiles = values_on_tiles<D>(block_size);
+#endif
+  const int64_t ctx0 = start_pos + q0 + 1, ctx_max = start_pos + q0 + nq;
+  const int64_t p_stride = on_tiles ? (ctx_max + 1 + 31) / 32 * 32 : ctx_max + 1;
+  const int64_t padded_rows = on_tiles ? (rows + 15) / 16 * 16 : rows;
   const int64_t num_blocks = (ctx_max + block_size - 1) / block_size;
   const int64_t span_blocks = block_size % 2 == 0 ? std::max<int64_t>(1, kSpanTokens / block_size) : 1;
   buf.scores.resize(rows * ctx_max);
-  buf.probs16.resize(rows * p_stride);
+  buf.probs16.resize(padded_rows * p_stride);
+  if (on_tiles) std::fill(buf.probs16.begin() + rows * p_stride, buf.probs16.end(), 0);
   buf.norms.resize(rows);
   buf.query_of.resize(rows);
   buf.row_of.resize(rows);
@@ -210,18 +239,29 @@ inline void prefill_tile_bf16(const c10::BFloat16* q_ptr, const c10::BFloat16* k
     score_kv_head_bf16<D>(q_ptr + q0 * num_heads * D, nq, num_heads, group, kv_head, k_ptr, table, num_blocks,
                           block_size, block_stride, token_stride, ctx0, ctx_max, scale, buf.scores.data(), group, 0,
                           buf.qbuf);
-    for (int64_t r = 0; r < rows; ++r)
-      buf.norms[r] = exp_row_to_bf16(buf.scores.data() + r * ctx_max, ctx0 + buf.query_of[r],
-                                     buf.probs16.data() + r * p_stride);
-    buf.acc.assign(rows * D, 0.f);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t ctx = ctx0 + buf.query_of[r];
+      uint16_t* probs = buf.probs16.data() + r * p_stride;
+      buf.norms[r] = exp_row_to_bf16(buf.scores.data() + r * ctx_max, ctx, probs);
+      if (on_tiles) std::fill(probs + ctx + 1, probs + p_stride, 0);  // past its tokens: zero
+    }
+    buf.acc.assign(padded_rows * D, 0.f);
     for (int64_t blk = 0; blk < num_blocks; blk += span_blocks) {
       const int64_t first = blk * block_size, nblocks = std::min(span_blocks, num_blocks - blk);
       const c10::BFloat16* values[kSpanTokens];
       for (int64_t b = 0; b < nblocks; ++b) values[b] = v_ptr + table[blk + b] * block_stride + kv_head * D;
       if (blk + nblocks < num_blocks) prefetch_row(v_ptr + table[blk + nblocks] * block_stride + kv_head * D, block_stride);
-      weigh_span_bf16<D>(values, token_stride, block_size, std::min(nblocks * block_size, ctx_max - first), first, ctx0,
-                         nq, 0, group, buf.probs16.data(), p_stride, buf.acc.data(), buf.full, buf.single,
-                         buf.query_of.data(), buf.row_of.data());
+      const int64_t span_tokens = std::min(nblocks * block_size, ctx_max - first);
+#if defined(PDSERVE_AMX)
+      if (on_tiles) {
+        weigh_span_amx<D>(values, token_stride, block_size, span_tokens, first, ctx0, rows, buf.probs16.data(),
+                          p_stride, buf.acc.data(), buf.full, buf.query_of.data());
+        continue;
+      }
+#endif
+      weigh_span_bf16<D>(values, token_stride, block_size, span_tokens, first, ctx0, nq, 0, group,
+                         buf.probs16.data(), p_stride, buf.acc.data(), buf.full, buf.single, buf.query_of.data(),
+                         buf.row_of.data());
     }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i = buf.query_of[r], h = kv_head * group + r - i * group;
