@@ -27,22 +27,28 @@ inline bool permitted() {
   return granted;
 }
 
+// `rows` rows in tiles 0, 1, 3, 4 and 5 (the attention kernels' C and A tiles), 16 in tiles 2,
+// 6 and 7 (their B tiles): a tile's rows are independent, so fewer rows change no row's bits
+// and cost less where a kernel has fewer (a decode step's heads of one kv head).
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
-  TileConfig() {
-    for (int t = 0; t < 8; ++t) colsb[t] = 64, rows[t] = kRows;
+  explicit TileConfig(int short_rows) {
+    for (int t = 0; t < 8; ++t) colsb[t] = 64, rows[t] = (t == 2 || t >= 6) ? kRows : short_rows;
   }
 };
 
 // The tiles configured on the calling thread for the scope's lifetime (where permitted):
 // around a thread's share of a kernel's work, since other libraries' AMX kernels (oneDNN's)
-// load their own configuration between ours.
+// load their own configuration between ours. `short_rows`: TileConfig's.
 struct Scope {
   const bool on = permitted();
-  Scope() {
-    static const TileConfig config;
+  explicit Scope(int short_rows = kRows) {
+    const TileConfig config(short_rows);
+    // GCC's ldtilecfg builtin does not tell the compiler that it reads the config, whose
+    // stores it then dropped (a fault at -O2): the empty asm says the memory is read.
+    asm volatile("" : : "r"(&config) : "memory");
     if (on) _tile_loadconfig(&config);
   }
   ~Scope() {

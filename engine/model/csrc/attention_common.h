@@ -266,8 +266,11 @@ struct Operands {
 #if defined(PDSERVE_AMX)
 using TileScope = amx::Scope;
 #else
-struct TileScope {};
+struct TileScope {
+  explicit TileScope(int = 0) {}
+};
 #endif
+constexpr int kDecodeTileRows = 4;  // the decode kernel's rows per tile: score_rows takes up to 4 heads
 
 // `fn(begin, end)` on ranges of sequences [0, num_seqs), one range per thread, cut where the
 // work (cached tokens to attend, plus kSequenceCost for a sequence's own overheads) is
@@ -279,7 +282,7 @@ inline void for_balanced_ranges(const int64_t* lens, int64_t num_seqs, Fn fn) {
   constexpr int64_t kSequenceCost = 32;
   const int64_t parts = std::min<int64_t>(at::get_num_threads(), num_seqs);
   if (parts <= 1) {
-    const TileScope tiles;
+    const TileScope tiles(kDecodeTileRows);
     return fn(int64_t{0}, num_seqs);
   }
   std::vector<int64_t> cuts(parts + 1, num_seqs);
@@ -291,7 +294,7 @@ inline void for_balanced_ranges(const int64_t* lens, int64_t num_seqs, Fn fn) {
     while (p < parts && done * parts >= total * p) cuts[p++] = b + 1;
   }
   at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
-    const TileScope tiles;
+    const TileScope tiles(kDecodeTileRows);
     for (int64_t p = begin; p < end; ++p)
       if (cuts[p] < cuts[p + 1]) fn(cuts[p], cuts[p + 1]);
   });
@@ -433,20 +436,22 @@ inline void score_rows(const __m512i* kt, const c10::BFloat16* q, int64_t q_stri
 }
 
 #if defined(PDSERVE_AMX)
-// score_rows on AMX tiles (configured by the calling thread's TileScope): the R query rows are
-// an A tile (16 rows; fewer are copied and padded with zero rows, which never reach `out`),
+// score_rows on AMX tiles (configured by the calling thread's TileScope, R at most its rows:
+// kDecodeTileRows in the decode kernel, 16 in the prefill kernel's): the R query rows are an A
+// tile (fewer than the tile's are copied and padded with zero rows, which never reach `out`),
 // each group of keys in lanes is B tiles as it is (pairs of dims x 16 tokens), and each
 // score is AMX's sum over the D/2 pairs, 16 pairs per instruction in order, then times scale.
 template <int64_t D, int R, int NB>
 inline void score_rows_amx(const __m512i* kt, const c10::BFloat16* q, int64_t q_stride, float scale,
                            __m512 (&out)[NB][R]) {
   constexpr int64_t P = D / 2;
-  alignas(64) c10::BFloat16 padded[R < amx::kRows ? amx::kRows * D : 1];
+  constexpr int kTile = R <= kDecodeTileRows ? kDecodeTileRows : amx::kRows;  // the rows a tile loads
+  alignas(64) c10::BFloat16 padded[R < kTile ? kTile * D : 1];
   const c10::BFloat16* a = q;
   int64_t lda = q_stride;
-  if constexpr (R < amx::kRows) {
+  if constexpr (R < kTile) {
     for (int r = 0; r < R; ++r) std::copy_n(q + r * q_stride, D, padded + r * D);
-    std::fill(padded + R * D, padded + amx::kRows * D, c10::BFloat16(0.f));
+    std::fill(padded + R * D, padded + kTile * D, c10::BFloat16(0.f));
     a = padded, lda = D;
   }
   alignas(64) float sums[amx::kRows][16];
@@ -674,7 +679,7 @@ inline int64_t value_tiles(const Row& row, int64_t n, std::vector<uint16_t>& pai
 }
 
 
-// 16 rows of fp32 accumulators (`acc`, rows D apart) plus their bf16 probabilities (`probs`,
+// A tile's rows (16, or TileScope's) of fp32 accumulators (`acc`, rows D apart) plus their bf16 probabilities (`probs`,
 // rows `p_stride` apart, tile j's 32 tokens at probs + 32j, zero past a row's tokens) times
 // `tiles` tiles of V pairs (value_tiles), on AMX (the calling thread's TileScope): per 16 dims,
 // one instruction per tile of 32 tokens, in order. A row's sums depend only on its own

@@ -238,19 +238,22 @@ inline void score_sequence_bf16(const c10::BFloat16* q, const SequenceBlocks<c10
 #if defined(PDSERVE_AMX)
 // One sequence's P.V on AMX tiles (values_on_tiles): per kv head, its group's probabilities
 // (exp_row_to_bf16 of `scores` [heads][ctx]; 1/sum into inv_sums) as rows of 32-token tiles
-// (zero past ctx), its V as value_tiles, weighed by weigh_tiles_amx 16 rows at a time into
+// (zero past ctx), its V as value_tiles, weighed by weigh_tiles_amx 4 rows at a time into
 // `acc` [heads][D] (the prefill kernel weighs a token's row the same way).
 template <int64_t D>
 inline void weigh_sequence_amx(const Operands<c10::BFloat16>& o, const SequenceBlocks<c10::BFloat16>& blocks,
                                int64_t ctx, const float* scores, std::vector<float>& inv_sums,
                                std::vector<uint16_t>& probs, std::vector<uint16_t>& pairs, std::vector<float>& sums,
                                float* acc) {
-  const int64_t group = o.group, block_size = o.block_size, rows = (group + amx::kRows - 1) / amx::kRows * amx::kRows;
+  constexpr int64_t R = kDecodeTileRows;  // rows per tile here (for_balanced_ranges' TileScope)
+  const int64_t group = o.group, block_size = o.block_size, rows = (group + R - 1) / R * R;
   const int64_t p_stride = (ctx + 1 + 31) / 32 * 32;  // exp_row_to_bf16 writes ctx + 1 entries
   sums.resize(rows * D);
-  pairs.resize(16 * D * 2);  // one tile's pairs at a time, made as they are weighed (they stay in L1)
+  pairs.resize(2 * 16 * D * 2);  // a tile's pairs at a time, made as they are weighed (two buffers, in L1)
   probs.assign(rows * p_stride, 0);  // exp_row_to_bf16 writes the same entries of a row for every kv head
   const int64_t tiles = (ctx + 31) / 32;
+  // the V blocks read once in order into L2 (value_block) before the kv heads' passes stride through them
+  for (int64_t blk = 0; blk < blocks.num_blocks; ++blk) blocks.value_block(blk);
   for (int64_t kv_head = 0; kv_head < o.num_kv_heads; ++kv_head) {
     for (int64_t j = 0; j < group; ++j) {
       const int64_t h = kv_head * group + j;
@@ -261,11 +264,12 @@ inline void weigh_sequence_amx(const Operands<c10::BFloat16>& o, const SequenceB
              kv_head * D;
     };
     const auto pairs_of = [&](int64_t j) {
-      value_pairs<D>(row, 16 * j, 16 * j + 16, ctx, pairs.data());
-      return pairs.data();
+      uint16_t* to = pairs.data() + (j % 2) * 16 * D * 2;  // the other tile's buffer may still be read
+      value_pairs<D>(row, 16 * j, 16 * j + 16, ctx, to);
+      return to;
     };
     std::fill(sums.begin(), sums.end(), 0.f);
-    for (int64_t r0 = 0; r0 < rows; r0 += amx::kRows)
+    for (int64_t r0 = 0; r0 < rows; r0 += R)
       weigh_tiles_amx<D>(probs.data() + r0 * p_stride, p_stride, pairs_of, tiles, sums.data() + r0 * D);
     std::copy_n(sums.data(), group * D, acc + kv_head * group * D);
   }
