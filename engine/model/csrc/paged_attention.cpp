@@ -100,6 +100,11 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
 //    a kv head's group at a time. In bf16 with avx512_bf16 the exps are rounded to bf16 in
 //    one pass (exp_row_to_bf16), two tokens are weighed per vdpbf16ps (weigh_block_bf16)
 //    instead of converting each V row to fp32, and the sum is scaled by 1/sum at the end.
+//  - With AMX (where the kernel grants it: amx.h) the bf16 scores and, for head sizes that
+//    are multiples of 32 and block sizes that are even powers of two, P.V run on tiles of 4
+//    rows (a kv head's query heads, up to 4 at a time): score_rows_amx, and weigh_sequence_amx
+//    (the V blocks read once in order, then each kv head's probabilities times its V pairs,
+//    32 tokens a tile), as the prefill kernel runs them.
 // Each output's summation order depends only on its own sequence, never on the batch or on
 // where its blocks lie, so a token's attention is the same bits alone, batched, or as a
 // prefill token (paged_prefill.cpp keeps the same order).

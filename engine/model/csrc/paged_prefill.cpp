@@ -9,7 +9,8 @@
 // same accumulation of probabilities times V token by token in position order (in bf16:
 // the same pairs of tokens per vdpbf16ps, a block's odd last token against a zero row). So a
 // token's output is the same bits whether it is prefilled in any chunking or decoded, alone
-// or batched.
+// or batched. With AMX, the scores and P.V of bf16 run on tiles in both kernels alike
+// (attention_common.h: score_rows_amx, weigh_tiles_amx; here weigh_span_amx, 16 rows a tile).
 //
 // What changes is the order of the loops around that arithmetic: queries are taken in tiles
 // of consecutive tokens, and each tile walks the sequence's K and V blocks once, every block
