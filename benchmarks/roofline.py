@@ -21,8 +21,9 @@ runs each step shape on the offline engine (the embedded SmolLM2-135M, prefix ca
 chunks of `--chunk` tokens), times where its model time goes, and writes
 benchmarks/results/roofline.json (+ .png): per shape and dtype the floor of each part, the
 measured time of each (and, outside the model, the sampler's per decode step), and the
-fractions; the CPU's flags say which kernels ran (AVX-512, avx512_bf16, or the AVX2 build),
-unless `isa_limits` records a narrower build. An AVX2 CPU's engine, measured on this one:
+fractions; the CPU's flags say which kernels ran (AVX-512, avx512_bf16, AMX tiles for bf16
+where amx_bf16 is listed, or the AVX2 build), unless `isa_limits` records a narrower build.
+An AVX2 CPU's engine, measured on this one:
 
     PDSERVE_CPU_KERNEL_MARCH=haswell ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 \
         .venv/bin/python benchmarks/roofline.py --dtypes float32
