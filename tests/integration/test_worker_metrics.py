@@ -67,7 +67,18 @@ def test_each_worker_reports_its_steps_positions_and_transfers(served):
     # the decode worker computes every generated token's position but the last (the prefill
     # worker sampled the first token; the last one sampled is never fed back)
     decoded = REQUESTS * (MAX_TOKENS - 1)
-    samples = _wait_for(url, lambda s: _value(s, "pdserve_worker_decode_tokens_computed_total", **decode) >= decoded)
+
+    def caught_up(s: dict) -> bool:
+        """Both workers' Stats, which the router refreshes each on its own, show every request:
+        the decode worker's tokens, and each direction's transfers."""
+        transfers = {direction: sum(value for (name, labels), value in s.items()
+                                    if name == "pdserve_kv_transfer_seconds_count"
+                                    and dict(labels).get("direction") == direction)
+                     for direction in ("send", "receive")}
+        return (_value(s, "pdserve_worker_decode_tokens_computed_total", **decode) >= decoded
+                and min(transfers.values()) >= REQUESTS)
+
+    samples = _wait_for(url, caught_up)
     [prefill_id] = {dict(labels)["worker"] for (name, labels) in samples
                     if name == "pdserve_worker_step_seconds_count" and dict(labels)["pool"] == "prefill"}
     prefill = {"pool": "prefill", "worker": prefill_id}
