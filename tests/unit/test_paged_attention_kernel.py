@@ -164,15 +164,17 @@ def test_prefill_gives_each_token_the_bits_of_its_decode(cpu_kernels, dtype, hea
                                                          block_size, start_pos, num_tokens, tile):
     """paged_prefill_attention (tiles of queries over the chunk's blocks) against
     paged_decode_attention of every token over its own prefix: the same bits, whatever the
-    tile size or where the chunk starts; and near the fp64 reference."""
+    tile size or where the chunk starts; and near the fp64 reference. The model's scale, which
+    is not a power of two for every head size (rounding a score to it then matters)."""
     q, k_cache, v_cache, table = prefill_case(dtype, head_dim, num_heads, num_kv_heads, block_size, start_pos,
                                               num_tokens)
-    out = cpu_kernels.paged_prefill_attention(q, k_cache, v_cache, table, start_pos, 0.125, tile)
+    scale = head_dim**-0.5
+    out = cpu_kernels.paged_prefill_attention(q, k_cache, v_cache, table, start_pos, scale, tile)
     tables = table[None].expand(num_tokens, -1).contiguous()
     lens = torch.arange(start_pos + 1, start_pos + num_tokens + 1)
-    decoded = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
+    decoded = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
     assert torch.equal(out, decoded)
-    expected = reference(q, k_cache, v_cache, tables, lens, 0.125)
+    expected = reference(q, k_cache, v_cache, tables, lens, scale)
     assert (out.double() - expected).abs().max().item() < TOLERANCE[dtype]
 
 

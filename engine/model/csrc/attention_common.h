@@ -51,6 +51,13 @@ inline void prefetch_l2(const T* row, int64_t count) {
   for (int64_t off = 0; off < count * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(p + off, 0, 2);
 }
 
+// Into L1, one kv head's rows (`width` elements each, `stride` apart) of `tokens` tokens from `first`:
+// the lines a pass over that head reads, not the block's other heads'.
+template <typename T>
+inline void prefetch_head(const T* first, int64_t stride, int64_t tokens, int64_t width) {
+  for (int64_t t = 0; t < tokens; ++t) prefetch_row(first + t * stride, width);
+}
+
 // Reads one word of every cache line of `count` elements at `p`, in ascending order, and
 // nothing more. The kernels read a block's rows one kv head at a time, which jumps through
 // the block in strides of a token's row; the hardware's stream prefetcher does not follow
@@ -623,23 +630,41 @@ inline __m512 exp16(__m512 x) {
 // lanes at a time from the row's first element, so the row's address changes nothing). Returns
 // 1/sum of the rounded weights: the caller scales the weighted sum of V by it (as flash
 // attention normalises at the end), so the rounded weights of a row sum to exactly one.
-inline float exp_row_to_bf16(const float* s, int64_t len, uint16_t* o) {
-  const __m512 max_score = _mm512_set1_ps(row_max(s, len));
+// `scores(t, mask)`: the 16 scores from t (those in `mask`; the row is read through it).
+template <typename Scores>
+inline float exp_to_bf16(const Scores& scores, int64_t len, float max, uint16_t* o) {
+  const __m512 max_score = _mm512_set1_ps(max);
   __m512 sum = _mm512_setzero_ps();
   int64_t t = 0;
   for (; t + 16 <= len; t += 16) {
-    const __m256bh e = _mm512_cvtneps_pbh(exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), max_score)));
+    const __m256bh e = _mm512_cvtneps_pbh(exp16(_mm512_sub_ps(scores(t, static_cast<__mmask16>(0xFFFF)), max_score)));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + t), (__m256i)e);
     sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(e));
   }
   if (t < len) {
     const __mmask16 m = static_cast<__mmask16>((1u << (len - t)) - 1);
-    const __m256bh e = _mm512_cvtneps_pbh(exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), max_score)));
+    const __m256bh e = _mm512_cvtneps_pbh(exp16(_mm512_sub_ps(scores(t, m), max_score)));
     _mm256_mask_storeu_epi16(o + t, m, (__m256i)e);
     sum = _mm512_mask_add_ps(sum, m, sum, _mm512_cvtpbh_ps(e));
   }
   o[len] = 0;
   return 1.f / _mm512_reduce_add_ps(sum);
+}
+inline float exp_row_to_bf16(const float* s, int64_t len, uint16_t* o) {
+  return exp_to_bf16([s](int64_t t, __mmask16 m) { return _mm512_maskz_loadu_ps(m, s + t); }, len, row_max(s, len), o);
+}
+// The same for a row of unscaled sums: each score is sum * scale, rounded to fp32 before the
+// max is subtracted (an explicitly rounded multiply, which the compiler cannot fuse into the
+// subtraction), the bits score_rows gives; the max of the scores is the largest sum times the
+// scale (rounding keeps the order, scale > 0).
+inline float exp_sums_to_bf16(const float* sums, int64_t len, float scale, uint16_t* o) {
+  const __m512 s = _mm512_set1_ps(scale);
+  const auto scores = [&](int64_t t, __mmask16 m) {
+    return _mm512_mul_round_ps(_mm512_maskz_loadu_ps(m, sums + t), s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  };
+  const float max = _mm512_cvtss_f32(_mm512_mul_round_ps(_mm512_set1_ps(row_max(sums, len)), s,
+                                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  return exp_to_bf16(scores, len, max, o);
 }
 
 #if defined(PDSERVE_AMX)

@@ -166,21 +166,86 @@ inline void weigh_span_amx(const c10::BFloat16* const* values, int64_t token_str
 #if defined(__AVX512BF16__)
 constexpr int kRows = 16;  // query rows scored together against one group of keys in lanes
 
-// The scaled scores of a tile's `nq` queries (`q`: the first one's row of head 0) for the
-// heads of kv head `kv_head`, keys in lanes (score_rows, as the decode kernel scores): query
-// i's head kv_head * group + j is row (i * row_stride + row_offset + j) of `scores`, rows
-// `ctx_max` apart, query i attending to the first `ctx0 + i` tokens. The tile's rows of the
-// group (query-major) are copied to `qbuf`, padded with zero rows to a multiple of kRows;
-// each group of up to 16 keys of a block is put in lanes once and scored against all of
-// them, kRows at a time, skipping rows whose query does not reach it.
+#if defined(PDSERVE_AMX)
+// The unscaled sums of score_rows_amx (the same instructions per row, so the same bits before
+// its multiplication by the scale, which exp_sums_to_bf16 applies) of rows [from, rows) of
+// `qbuf` (D apart, padded with zero rows to a multiple of kRows) against one group of 16
+// keys in lanes `kt`: stored as they come off the tiles, row r's at sums + r * stride (all
+// 16 lanes, those past the group's tokens too). Up to 4 row blocks of 16 at a time, each in
+// its own C tile (0, 3, 4, 5), so that their chains of instructions overlap; A tiles 1 and 6
+// and B tiles 2 and 7 in turn. The calling thread's TileScope has 16 rows a tile.
 template <int64_t D>
-inline void score_kv_head_bf16(const c10::BFloat16* q, int64_t nq, int64_t num_heads, int64_t group,
+inline void score_group_amx(const __m512i* kt, const c10::BFloat16* qbuf, int64_t from, int64_t rows, float* sums,
+                            int64_t stride) {
+  constexpr int64_t P = D / 2;
+  static_assert(P % 16 == 0, "whole tiles of pairs");
+  for (int64_t r0 = from; r0 < rows; r0 += 4 * kRows) {
+    const int blocks = static_cast<int>(std::min<int64_t>(4, (rows - r0 + kRows - 1) / kRows));
+    float* out = sums + r0 * stride;
+    const int64_t out_stride = stride * 4, block = kRows * stride;
+    // tile numbers must be constants: each count of row blocks is its own sequence
+    auto run = [&](auto count) {
+      constexpr int nb = decltype(count)::value;
+      _tile_zero(0);
+      if constexpr (nb >= 2) _tile_zero(3);
+      if constexpr (nb >= 3) _tile_zero(4);
+      if constexpr (nb >= 4) _tile_zero(5);
+      for (int64_t c = 0; c < P; c += 16) {
+        const c10::BFloat16* a = qbuf + r0 * D + 2 * c;
+        const int bt = (c / 16) % 2 == 0 ? 2 : 7;  // B tiles by turns (tile numbers are immediates: branches)
+        if (bt == 2) _tile_loadd(2, kt + c, 64); else _tile_loadd(7, kt + c, 64);
+        _tile_loadd(1, a, D * 2);
+        if (bt == 2) _tile_dpbf16ps(0, 1, 2); else _tile_dpbf16ps(0, 1, 7);
+        if constexpr (nb >= 2) {
+          _tile_loadd(6, a + kRows * D, D * 2);
+          if (bt == 2) _tile_dpbf16ps(3, 6, 2); else _tile_dpbf16ps(3, 6, 7);
+        }
+        if constexpr (nb >= 3) {
+          _tile_loadd(1, a + 2 * kRows * D, D * 2);
+          if (bt == 2) _tile_dpbf16ps(4, 1, 2); else _tile_dpbf16ps(4, 1, 7);
+        }
+        if constexpr (nb >= 4) {
+          _tile_loadd(6, a + 3 * kRows * D, D * 2);
+          if (bt == 2) _tile_dpbf16ps(5, 6, 2); else _tile_dpbf16ps(5, 6, 7);
+        }
+      }
+      _tile_stored(0, out, out_stride);
+      if constexpr (nb >= 2) _tile_stored(3, out + block, out_stride);
+      if constexpr (nb >= 3) _tile_stored(4, out + 2 * block, out_stride);
+      if constexpr (nb >= 4) _tile_stored(5, out + 3 * block, out_stride);
+    };
+    switch (blocks) {
+      case 1: run(std::integral_constant<int, 1>{}); break;
+      case 2: run(std::integral_constant<int, 2>{}); break;
+      case 3: run(std::integral_constant<int, 3>{}); break;
+      default: run(std::integral_constant<int, 4>{});
+    }
+  }
+}
+#endif
+
+// The scores of a tile's `nq` queries (`q`: the first one's row of head 0) for the heads of
+// kv head `kv_head`, keys in lanes (score_rows, as the decode kernel scores): query i's head
+// kv_head * group + j is row i * group + j of `scores`, rows `stride` apart (on AMX at least
+// ctx_max + 16, with a row per zero row of `qbuf`), query i attending to the first
+// `ctx0 + i` tokens. The tile's rows of the group (query-major) are copied to `qbuf`, padded
+// with zero rows to a multiple of kRows; each group of up to 16 keys of a block is put in
+// lanes once and scored against all of them, kRows at a time (on AMX, up to 4 x kRows, the
+// sums stored unscaled: score_group_amx), skipping rows whose query does not reach it. Only
+// the kv head's rows of the next block are fetched ahead (prefetch_head). Returns whether the
+// scores are the unscaled sums (on AMX: exp_sums_to_bf16 scales them) rather than scaled.
+template <int64_t D>
+inline bool score_kv_head_bf16(const c10::BFloat16* q, int64_t nq, int64_t num_heads, int64_t group,
                                int64_t kv_head, const c10::BFloat16* k_ptr, const int64_t* table, int64_t num_blocks,
                                int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t ctx0,
-                               int64_t ctx_max, float scale, float* scores, int64_t row_stride, int64_t row_offset,
+                               int64_t ctx_max, float scale, float* scores, int64_t stride,
                                std::vector<c10::BFloat16>& qbuf) {
   constexpr int64_t P = D / 2;
   const int64_t rows = nq * group, padded = (rows + kRows - 1) / kRows * kRows;
+  bool on_tiles = false;
+#if defined(PDSERVE_AMX)
+  on_tiles = P % 16 == 0 && amx::permitted();
+#endif
   qbuf.assign(padded * D, c10::BFloat16(0.f));
   alignas(64) __m512i kt[P];
   for (int64_t i = 0; i < nq; ++i)
@@ -188,24 +253,30 @@ inline void score_kv_head_bf16(const c10::BFloat16* q, int64_t nq, int64_t num_h
   for (int64_t blk = 0; blk < num_blocks; ++blk) {
     const int64_t first = blk * block_size, tokens = std::min(block_size, ctx_max - first);
     const c10::BFloat16* block = k_ptr + table[blk] * block_stride + kv_head * D;
-    if (blk + 1 < num_blocks) prefetch_row(k_ptr + table[blk + 1] * block_stride + kv_head * D, block_stride);
+    if (blk + 1 < num_blocks)
+      prefetch_head(k_ptr + table[blk + 1] * block_stride + kv_head * D, token_stride, block_size, D);
     for (int64_t i0 = 0; i0 < tokens; i0 += 16) {
       const int64_t pos = first + i0, n = std::min<int64_t>(16, tokens - i0);
       // the first query reaching these keys: ctx0 + i > pos
       const int64_t from = std::max<int64_t>(0, pos + 1 - ctx0) * group / kRows * kRows;
       keys_in_lanes<D>(block + i0 * token_stride, token_stride, n, kt);
+#if defined(PDSERVE_AMX)
+      if constexpr (P % 16 == 0)
+        if (on_tiles) {
+          score_group_amx<D>(kt, qbuf.data(), from, rows, scores + pos, stride);
+          continue;
+        }
+#endif
       for (int64_t r0 = from; r0 < rows; r0 += kRows) {
         __m512 s[1][kRows];
         score_rows<D, kRows, 1>(kt, qbuf.data() + r0 * D, D, scale, s);
         const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
-        int64_t i = r0 / group, j = r0 % group;  // row r0 + r is query i, head j of the group
-        for (int r = 0; r < kRows && r0 + r < rows; ++r) {
-          _mm512_mask_storeu_ps(scores + (i * row_stride + row_offset + j) * ctx_max + pos, mask, s[0][r]);
-          if (++j == group) j = 0, ++i;
-        }
+        for (int r = 0; r < kRows && r0 + r < rows; ++r)
+          _mm512_mask_storeu_ps(scores + (r0 + r) * stride + pos, mask, s[0][r]);
       }
     }
   }
+  return on_tiles;
 }
 
 // A tile of `nq` queries (`q0` the first, at position start_pos + q0) attended in bf16 with
@@ -229,7 +300,8 @@ inline void prefill_tile_bf16(const c10::BFloat16* q_ptr, const c10::BFloat16* k
   const int64_t padded_rows = on_tiles ? (rows + 15) / 16 * 16 : rows;
   const int64_t num_blocks = (ctx_max + block_size - 1) / block_size;
   const int64_t span_blocks = block_size % 2 == 0 ? std::max<int64_t>(1, kSpanTokens / block_size) : 1;
-  buf.scores.resize(rows * ctx_max);
+  const int64_t s_stride = ctx_max + 16;  // score rows: room for a last group's 16 lanes (score_kv_head_bf16)
+  buf.scores.resize((rows + kRows - 1) / kRows * kRows * s_stride);
   buf.probs16.resize(padded_rows * p_stride);
   if (on_tiles) std::fill(buf.probs16.begin() + rows * p_stride, buf.probs16.end(), 0);
   buf.norms.resize(rows);
@@ -237,13 +309,15 @@ inline void prefill_tile_bf16(const c10::BFloat16* q_ptr, const c10::BFloat16* k
   buf.row_of.resize(rows);
   for (int64_t r = 0; r < rows; ++r) buf.query_of[r] = r / group, buf.row_of[r] = r;
   for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
-    score_kv_head_bf16<D>(q_ptr + q0 * num_heads * D, nq, num_heads, group, kv_head, k_ptr, table, num_blocks,
-                          block_size, block_stride, token_stride, ctx0, ctx_max, scale, buf.scores.data(), group, 0,
-                          buf.qbuf);
+    const bool unscaled =
+        score_kv_head_bf16<D>(q_ptr + q0 * num_heads * D, nq, num_heads, group, kv_head, k_ptr, table, num_blocks,
+                              block_size, block_stride, token_stride, ctx0, ctx_max, scale, buf.scores.data(), s_stride,
+                              buf.qbuf);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t ctx = ctx0 + buf.query_of[r];
       uint16_t* probs = buf.probs16.data() + r * p_stride;
-      buf.norms[r] = exp_row_to_bf16(buf.scores.data() + r * ctx_max, ctx, probs);
+      const float* row = buf.scores.data() + r * s_stride;
+      buf.norms[r] = unscaled ? exp_sums_to_bf16(row, ctx, scale, probs) : exp_row_to_bf16(row, ctx, probs);
       if (on_tiles) std::fill(probs + ctx + 1, probs + p_stride, 0);  // past its tokens: zero
     }
     buf.acc.assign(padded_rows * D, 0.f);
@@ -251,7 +325,8 @@ inline void prefill_tile_bf16(const c10::BFloat16* q_ptr, const c10::BFloat16* k
       const int64_t first = blk * block_size, nblocks = std::min(span_blocks, num_blocks - blk);
       const c10::BFloat16* values[kSpanTokens];
       for (int64_t b = 0; b < nblocks; ++b) values[b] = v_ptr + table[blk + b] * block_stride + kv_head * D;
-      if (blk + nblocks < num_blocks) prefetch_row(v_ptr + table[blk + nblocks] * block_stride + kv_head * D, block_stride);
+      if (blk + nblocks < num_blocks)
+        prefetch_head(v_ptr + table[blk + nblocks] * block_stride + kv_head * D, token_stride, block_size, D);
       const int64_t span_tokens = std::min(nblocks * block_size, ctx_max - first);
 #if defined(PDSERVE_AMX)
       if (on_tiles) {
@@ -305,8 +380,8 @@ inline void prefill_tile(const T* q_ptr, const T* k_ptr, const T* v_ptr, const i
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
       score_kv_head_bf16<D>(q_ptr + q0 * num_heads * D, nq, num_heads, group, kv_head, k_ptr, table, num_blocks,
-                            block_size, block_stride, token_stride, ctx0, ctx_max, scale, buf.scores.data(), group, 0,
-                            buf.qbuf);
+                            block_size, block_stride, token_stride, ctx0, ctx_max, scale, buf.scores.data(), ctx_max,
+                            buf.qbuf);  // (D % 32 != 0 here: never on tiles, the scores scaled)
     } else
 #endif
     for (int64_t blk0 = 0; blk0 < num_blocks; blk0 += span_blocks) {  // scores, span by span
