@@ -412,7 +412,9 @@ inline __m512bh pair_at(const void* p) { return (__m512bh)_mm512_set1_epi32(pair
 // chains, and no horizontal reduction is needed: 64 FLOPs per instruction.)
 //
 // With AMX (where the kernel grants it, and D a multiple of 32) the chain is AMX's instead:
-// score_rows_amx, the same for every kernel and every R and NB, so the same holds.
+// score_rows_amx for the decode kernel's R <= kDecodeTileRows rows; the prefill kernel's
+// score_group_amx (paged_prefill.cpp) runs the same instructions per row on tiles of 16, and
+// a row's sums on a tile never depend on the tile's other rows, so the same holds.
 template <int64_t D, int R, int NB>
 inline void score_rows_amx(const __m512i* kt, const c10::BFloat16* q, int64_t q_stride, float scale,
                            __m512 (&out)[NB][R]);
@@ -422,7 +424,7 @@ inline void score_rows(const __m512i* kt, const c10::BFloat16* q, int64_t q_stri
                        __m512 (&out)[NB][R]) {
   constexpr int64_t P = D / 2;
 #if defined(PDSERVE_AMX)
-  if constexpr (P % 16 == 0)
+  if constexpr (P % 16 == 0 && R <= kDecodeTileRows)
     if (amx::permitted()) return score_rows_amx<D, R, NB>(kt, q, q_stride, scale, out);
 #endif
   __m512 acc[NB][R];
@@ -443,16 +445,17 @@ inline void score_rows(const __m512i* kt, const c10::BFloat16* q, int64_t q_stri
 }
 
 #if defined(PDSERVE_AMX)
-// score_rows on AMX tiles (configured by the calling thread's TileScope, R at most its rows:
-// kDecodeTileRows in the decode kernel, 16 in the prefill kernel's): the R query rows are an A
-// tile (fewer than the tile's are copied and padded with zero rows, which never reach `out`),
-// each group of keys in lanes is B tiles as it is (pairs of dims x 16 tokens), and each
-// score is AMX's sum over the D/2 pairs, 16 pairs per instruction in order, then times scale.
+// score_rows on AMX tiles (configured by the calling thread's TileScope: the decode kernel's,
+// of kDecodeTileRows rows): the R query rows are an A tile (fewer than the tile's are copied
+// and padded with zero rows, which never reach `out`), each group of keys in lanes is B tiles
+// as it is (pairs of dims x 16 tokens), and each score is AMX's sum over the D/2 pairs, 16
+// pairs per instruction in order, then times scale.
 template <int64_t D, int R, int NB>
 inline void score_rows_amx(const __m512i* kt, const c10::BFloat16* q, int64_t q_stride, float scale,
                            __m512 (&out)[NB][R]) {
   constexpr int64_t P = D / 2;
-  constexpr int kTile = R <= kDecodeTileRows ? kDecodeTileRows : amx::kRows;  // the rows a tile loads
+  static_assert(R <= kDecodeTileRows, "the decode kernel's tiles");
+  constexpr int kTile = kDecodeTileRows;  // the rows a tile loads
   alignas(64) c10::BFloat16 padded[R < kTile ? kTile * D : 1];
   const c10::BFloat16* a = q;
   int64_t lda = q_stride;

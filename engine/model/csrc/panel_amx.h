@@ -18,7 +18,6 @@
 #include "amx.h"
 
 #if defined(PDSERVE_AMX)
-#include <cstring>
 
 namespace amx {
 

@@ -221,23 +221,30 @@ struct Walk {
 };
 
 // Where row block m0's rows of x [M, K] are: in x, or, for AMX's tiles of 16 rows, a last block
-// of fewer rows in a copy padded with zero rows.
+// of fewer rows in a copy padded with zero rows (in a buffer of the calling thread's, kept from
+// call to call: a decode step's products at batch 1 all take this path, where a tensor allocated
+// and zeroed per call cost more than the product of a small layer).
 template <typename E>
 struct RowSource {
-  const typename E::Elem* x;
+  using Elem = typename E::Elem;
+  const Elem* x;
   int64_t M, K;
-  torch::Tensor padded;
+  const Elem* padded = nullptr;
   explicit RowSource(const torch::Tensor& rows)
-      : x(reinterpret_cast<const typename E::Elem*>(rows.data_ptr())), M(rows.size(0)), K(rows.size(1)) {
-    if (E::kAmx && M % kAmxRows) {
-      padded = torch::zeros({kAmxRows, K}, rows.options());
-      padded.narrow(0, 0, M % kAmxRows).copy_(rows.narrow(0, M - M % kAmxRows, M % kAmxRows));
-    }
+      : x(reinterpret_cast<const Elem*>(rows.data_ptr())), M(rows.size(0)), K(rows.size(1)) {
+    if (!E::kAmx || M % kAmxRows == 0) return;
+    thread_local std::vector<Elem> buffer;
+    thread_local int64_t filled = 0;  // rows of the buffer that may not be zero (a row is K long)
+    const int64_t tail = M % kAmxRows;
+    if (static_cast<int64_t>(buffer.size()) != kAmxRows * K) buffer.assign(kAmxRows * K, Elem{}), filled = 0;
+    std::copy_n(x + (M - tail) * K, tail * K, buffer.data());
+    // rows past the tail zeroed only where an earlier call left rows: the others' lines, unwritten,
+    // stay in the cache of the threads that read them
+    if (filled > tail) std::fill(buffer.begin() + tail * K, buffer.begin() + filled * K, Elem{});
+    filled = tail;
+    padded = buffer.data();
   }
-  const typename E::Elem* at(int64_t m0) const {
-    return padded.defined() && m0 + kAmxRows > M ? reinterpret_cast<const typename E::Elem*>(padded.data_ptr())
-                                                 : x + m0 * K;
-  }
+  const Elem* at(int64_t m0) const { return padded != nullptr && m0 + kAmxRows > M ? padded : x + m0 * K; }
 };
 
 // Runs `body(begin, end)` over [0, n) on the thread pool, each thread's share between its tile
@@ -261,8 +268,14 @@ void parallel_panels(int64_t n, const Body& body) {
 template <typename E>
 void panel_rows(const Walk& walk, int rows, const RowSource<E>& xs, int64_t m0, const typename E::Elem* w,
                 const float* bias, typename E::Elem* y, int64_t ldy, int64_t valid) {
-  const int64_t vectors = std::min<int64_t>(kPanelVectors, (valid + kLanes - 1) / kLanes);
   const int64_t K = xs.K;
+  // the panel's vectors that hold used outputs, fixed at compile time for `run`
+  const auto with_vectors = [valid](auto run) {
+    const int64_t vectors = std::min<int64_t>(kPanelVectors, (valid + kLanes - 1) / kLanes);
+    if (vectors == 3) return run(std::integral_constant<int, 3>{});
+    if (vectors == 2) return run(std::integral_constant<int, 2>{});
+    return run(std::integral_constant<int, 1>{});
+  };
 #if defined(PDSERVE_AMX)
   if constexpr (E::kAmx) {
     alignas(64) float sums[2 * kAmxRows][kPanel];
@@ -270,15 +283,13 @@ void panel_rows(const Walk& walk, int rows, const RowSource<E>& xs, int64_t m0, 
       amx::panel_sums<2>(xs.at(m0), xs.at(m0 + kAmxRows), K, w, walk.units, walk.block_units, sums);
     else
       amx::panel_sums<1>(xs.at(m0), nullptr, K, w, walk.units, walk.block_units, sums);
-    if (vectors == 3) return store_rows<E, 3>(rows, &sums[0][0], bias, y, ldy, valid);
-    if (vectors == 2) return store_rows<E, 2>(rows, &sums[0][0], bias, y, ldy, valid);
-    return store_rows<E, 1>(rows, &sums[0][0], bias, y, ldy, valid);
+    return with_vectors([&](auto v) { store_rows<E, decltype(v)::value>(rows, &sums[0][0], bias, y, ldy, valid); });
   }
 #endif
   const typename E::Elem* x = xs.x + m0 * K;
-  if (vectors == 3) row_block<E, 3>(rows, x, K, w, walk.units, walk.block_units, walk.chunk, bias, y, ldy, valid);
-  else if (vectors == 2) row_block<E, 2>(rows, x, K, w, walk.units, walk.block_units, walk.chunk, bias, y, ldy, valid);
-  else row_block<E, 1>(rows, x, K, w, walk.units, walk.block_units, walk.chunk, bias, y, ldy, valid);
+  with_vectors([&](auto v) {
+    row_block<E, decltype(v)::value>(rows, x, K, w, walk.units, walk.block_units, walk.chunk, bias, y, ldy, valid);
+  });
 }
 
 // `bias` (any float dtype, or none) as fp32 in `holder`; its data (null for none).
