@@ -178,6 +178,28 @@ def test_prefill_gives_each_token_the_bits_of_its_decode(cpu_kernels, dtype, hea
     assert (out.double() - expected).abs().max().item() < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prefill_rounds_each_score_as_the_decode_kernel_does(cpu_kernels, head_dim):
+    """Scores near 2^14 after scaling (queries and keys all of one size, small differences
+    between them), where one rounding more or less of a score (a multiply fused into the
+    subtraction of the max) moves its exp by a bf16 step about half the time: the prefill
+    kernel's outputs are still the decode kernel's bits. (At head size 128 the scale is not a
+    power of two, and this fails if the prefill kernel fuses the multiply, which the test
+    above does not see; at 64 the scale's multiply is exact.)"""
+    q, k_cache, v_cache, table = prefill_case(torch.bfloat16, head_dim, 4, 2, 16, 20, 60)
+    gen = torch.Generator().manual_seed(11)
+    big = 2.0**14 / (head_dim**-0.5 * head_dim)  # each of the D products ~big: a scaled score ~2^14
+    q = (big**0.5 + torch.rand(q.shape, generator=gen)).to(torch.bfloat16)
+    finite = k_cache.isfinite()
+    k_cache[finite] = (big**0.5 + torch.rand(int(finite.sum()), generator=gen)).to(torch.bfloat16)
+    scale = head_dim**-0.5
+    out = cpu_kernels.paged_prefill_attention(q, k_cache, v_cache, table, 20, scale, 16)
+    lens = torch.arange(21, 81)
+    decoded = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, table[None].expand(60, -1).contiguous(), lens,
+                                                 scale)
+    assert torch.equal(out, decoded)
+
+
 def test_prefill_refuses_a_table_that_does_not_cover_the_chunk(cpu_kernels):
     q, k_cache, v_cache, table = prefill_case(torch.float32, 64, 9, 3, 16, 0, 40)
     with pytest.raises(RuntimeError, match="block_table does not cover the chunk"):
