@@ -671,15 +671,19 @@ inline float exp_sums_to_bf16(const float* sums, int64_t len, float scale, uint1
 }
 
 #if defined(PDSERVE_AMX)
-// Whether bf16 P.V runs on AMX tiles (weigh_tiles_amx) for head size D and `block_size`, in
-// both kernels alike: where the kernel grants AMX, D is a multiple of 32 and block_size an
-// even power of two (so the prefill kernel's spans start at multiples of a tile's 32 tokens).
+// Whether bf16 P.V runs on AMX tiles (weigh_tiles_amx) for head size D, in both kernels
+// alike: where the kernel grants AMX and D is a multiple of 32 (whole tiles of pairs). Both
+// kernels lay V out by token position (value_pairs), so any block size will do.
 template <int64_t D>
-inline bool values_on_tiles(int64_t block_size) {
-  return D % 32 == 0 && block_size >= 2 && (block_size & (block_size - 1)) == 0 && amx::permitted();
+inline bool values_on_tiles() {
+  return D % 32 == 0 && amx::permitted();
 }
 
-// Pairs [p0, p1) of value_tiles' layout into `to` (pair p0 first).
+// V of one kv head (`row(t)`: token t's bf16 row; n tokens) as AMX B tiles: pair p holds
+// tokens 2p and 2p + 1 (pair_rows' vectors: lanes 2i, 2i + 1 of vector c are dim 16c + i of
+// each), a last token's missing partner and the pairs past n zero, a tile 16 pairs
+// ([16][D / 16][32]: tile j takes tokens 32j to 32j + 31). Writes pairs [p0, p1) to `to`
+// (pair p0 first).
 template <int64_t D, typename Row>
 inline void value_pairs(const Row& row, int64_t p0, int64_t p1, int64_t n, uint16_t* to) {
   constexpr int64_t C = D / 16;
@@ -693,19 +697,6 @@ inline void value_pairs(const Row& row, int64_t p0, int64_t p1, int64_t n, uint1
     for (int64_t c = 0; c < C; ++c) _mm512_storeu_si512(to + c * 32, (__m512i)v[c]);
   }
 }
-
-// V of tokens [0, n) of one kv head (`row(t)`: token t's bf16 row) as AMX B tiles: pair p
-// holds tokens 2p and 2p + 1 (pair_rows' vectors: lanes 2i, 2i + 1 of vector c are dim 16c + i
-// of each), a last token's missing partner and the pairs past n zero, in whole tiles of 16
-// pairs: `pairs` [tiles * 16][D / 16][32]. Returns the tiles.
-template <int64_t D, typename Row>
-inline int64_t value_tiles(const Row& row, int64_t n, std::vector<uint16_t>& pairs) {
-  const int64_t tiles = (n + 31) / 32;
-  pairs.resize(tiles * 16 * (D / 16) * 32);
-  value_pairs<D>(row, 0, tiles * 16, n, pairs.data());
-  return tiles;
-}
-
 
 // A tile's rows (16, or TileScope's) of fp32 accumulators (`acc`, rows D apart) plus their bf16 probabilities (`probs`,
 // rows `p_stride` apart, tile j's 32 tokens at probs + 32j, zero past a row's tokens) times

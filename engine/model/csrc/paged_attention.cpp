@@ -243,7 +243,7 @@ inline void score_sequence_bf16(const c10::BFloat16* q, const SequenceBlocks<c10
 #if defined(PDSERVE_AMX)
 // One sequence's P.V on AMX tiles (values_on_tiles): per kv head, its group's probabilities
 // (exp_row_to_bf16 of `scores` [heads][ctx]; 1/sum into inv_sums) as rows of 32-token tiles
-// (zero past ctx), its V as value_tiles, weighed by weigh_tiles_amx 4 rows at a time into
+// (zero past ctx), its V as tiles of pairs (value_pairs), weighed by weigh_tiles_amx 4 rows at a time into
 // `acc` [heads][D] (the prefill kernel weighs a token's row the same way).
 template <int64_t D>
 inline void weigh_sequence_amx(const Operands<c10::BFloat16>& o, const SequenceBlocks<c10::BFloat16>& blocks,
@@ -325,7 +325,7 @@ void decode_range(const Operands<T>& o, float scale, int64_t begin, int64_t end)
       score_sequence<T, D>(q, blocks, num_heads, group, block_size, token_stride, ctx, scale, scores.data());
 #if defined(PDSERVE_AMX)
     if constexpr (kPairedValues) {
-      if (values_on_tiles<D>(block_size)) {
+      if (values_on_tiles<D>()) {
         weigh_sequence_amx<D>(o, blocks, ctx, scores.data(), inv_sums, probs16, pairs, sums, acc.data());
         finish(b);
         continue;

@@ -10,16 +10,19 @@
 // the same pairs of tokens per vdpbf16ps, a block's odd last token against a zero row). So a
 // token's output is the same bits whether it is prefilled in any chunking or decoded, alone
 // or batched. With AMX, the scores and P.V of bf16 run on tiles in both kernels alike
-// (attention_common.h: score_rows_amx, weigh_tiles_amx; here weigh_span_amx, 16 rows a tile).
+// (attention_common.h: score_rows_amx, weigh_tiles_amx; here score_group_amx and weigh_tiles_amx,
+// 16 rows a tile).
 //
 // What changes is the order of the loops around that arithmetic: queries are taken in tiles
-// of consecutive tokens, and each tile walks the sequence's K and V blocks once, every block
-// scored (or weighed) for all the tile's queries while it is in L1, where the decode kernel
-// reads the whole prefix again for every query. A tile is taken one kv head at a time, so
-// its scores between passes are that head group's rows only, and V is weighed in spans of up
-// to 64 tokens, several rows at once (prefill_tile_bf16 in bf16, where each group of 16 keys
-// is also transposed once for all the rows; prefill_tile otherwise). A query's accumulators
-// live in memory between spans (fp32 values, so loading and storing them changes nothing). Tiles are handed to
+// of consecutive tokens, and each tile walks the sequence's K and V once, every group of keys
+// scored (or weighed) for all the tile's queries, where the decode kernel reads the whole
+// prefix again for every query. A tile is taken one kv head at a time, so its scores between
+// passes are that head group's rows only. In bf16 (prefill_tile_bf16) the keys are put in
+// lanes once per call for all the tiles (LaneKeys), and on AMX V is laid out as tiles once per
+// call too (ValueTiles), each 16 rows then weighed over all their tokens with their sums on
+// the tiles; without AMX, V is weighed in spans of up to 64 tokens, several rows at once, and a
+// query's accumulators live in memory between spans (fp32 values, so loading and storing them
+// changes nothing); prefill_tile does the same for the other dtypes. Tiles are handed to
 // threads in a balanced order (first, last, second, second-to-last, ...): later tiles attend
 // to longer prefixes, and contiguous ranges of tiles would give the last thread most of the
 // work.
@@ -141,25 +144,37 @@ inline void weigh_span_bf16(const c10::BFloat16* const* values, int64_t token_st
 }
 #endif
 
-#if defined(PDSERVE_AMX)
-// weigh_span_bf16 on AMX tiles (values_on_tiles): the span's V as value_tiles, and the tile's
-// rows (query-major, padded with zero rows to a multiple of 16) weighed 16 at a time by
-// weigh_tiles_amx, over the span's tiles of 32 tokens that the block's last query reaches; a
-// row's probabilities past its own tokens are zero (`probs16` rows `p_stride` apart, the
-// span's first token at column `first`, a multiple of 32), so it gets the decode kernel's bits.
+// A call's V as AMX B tiles, made once for all its query tiles (value_pairs of each kv head's
+// first `tokens` tokens, from the sequence's first). Made per query tile and span as they
+// were, every tile read V again from its scattered blocks and paired it again: at 8,192
+// tokens that took about a fifth of the kernel's time (benchmarks/README.md).
 template <int64_t D>
-inline void weigh_span_amx(const c10::BFloat16* const* values, int64_t token_stride, int64_t block_size,
-                           int64_t span_tokens, int64_t first, int64_t ctx0, int64_t rows, const uint16_t* probs16,
-                           int64_t p_stride, float* acc, std::vector<uint16_t>& pairs, const int64_t* query_of) {
-  const auto row = [&](int64_t t) { return values[t / block_size] + (t % block_size) * token_stride; };
-  value_tiles<D>(row, span_tokens, pairs);
-  const auto pairs_of = [&](int64_t j) { return pairs.data() + j * 16 * D * 2; };  // 16 pairs of D dims x 2
-  for (int64_t r0 = 0; r0 < rows; r0 += amx::kRows) {
-    const int64_t last = std::min(rows, r0 + amx::kRows) - 1;
-    const int64_t reach = std::clamp<int64_t>(ctx0 + query_of[last] - first, 0, span_tokens);
-    if (reach > 0)
-      weigh_tiles_amx<D>(probs16 + r0 * p_stride + first, p_stride, pairs_of, (reach + 31) / 32, acc + r0 * D);
-  }
+struct ValueTiles {
+  std::vector<uint16_t> pairs;  // [kv_head][tile][16 pairs][D / 16][32]
+  int64_t tiles = 0;
+  // tile j of kv head h: 16 pairs of tokens 32j ..
+  const uint16_t* at(int64_t h, int64_t j) const { return pairs.data() + (h * tiles + j) * 16 * D * 2; }
+  uint16_t* at(int64_t h, int64_t j) { return pairs.data() + (h * tiles + j) * 16 * D * 2; }
+};
+
+#if defined(PDSERVE_AMX)
+template <int64_t D>
+ValueTiles<D> make_value_tiles(const c10::BFloat16* v_ptr, const int64_t* table, int64_t tokens, int64_t num_kv_heads,
+                               int64_t block_size) {
+  ValueTiles<D> v;
+  const int64_t token_stride = num_kv_heads * D, block_stride = block_size * token_stride;
+  v.tiles = (tokens + 31) / 32;
+  v.pairs.resize(num_kv_heads * v.tiles * 16 * D * 2);
+  at::parallel_for(0, num_kv_heads * v.tiles, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) {
+      const int64_t h = k / v.tiles, j = k % v.tiles;
+      const auto row = [&](int64_t t) {
+        return v_ptr + table[t / block_size] * block_stride + (t % block_size) * token_stride + h * D;
+      };
+      value_pairs<D>(row, 16 * j, 16 * (j + 1), tokens, v.at(h, j));
+    }
+  });
+  return v;
 }
 #endif
 
@@ -224,6 +239,43 @@ inline void score_group_amx(const __m512i* kt, const c10::BFloat16* qbuf, int64_
 }
 #endif
 
+// A call's keys put in lanes once for all its query tiles (keys_in_lanes of each group of up
+// to 16 keys of a block, 16 from the block's first, per kv head): made per query tile, the
+// transposes and the scattered reads of K behind them were repeated by every tile.
+template <int64_t D>
+struct LaneKeys {
+  std::vector<__m512i> groups;  // [kv_head][block][group][D / 2]
+  int64_t num_blocks = 0, per_block = 0;
+  // the group of block `blk` (of the sequence's blocks) whose first key is token i0 of the block
+  const __m512i* at(int64_t h, int64_t blk, int64_t i0) const {
+    return groups.data() + ((h * num_blocks + blk) * per_block + i0 / 16) * (D / 2);
+  }
+  __m512i* at(int64_t h, int64_t blk, int64_t i0) {
+    return groups.data() + ((h * num_blocks + blk) * per_block + i0 / 16) * (D / 2);
+  }
+};
+
+template <int64_t D>
+LaneKeys<D> make_lane_keys(const c10::BFloat16* k_ptr, const int64_t* table, int64_t tokens, int64_t num_kv_heads,
+                           int64_t block_size) {
+  LaneKeys<D> keys;
+  const int64_t token_stride = num_kv_heads * D, block_stride = block_size * token_stride;
+  keys.num_blocks = (tokens + block_size - 1) / block_size;
+  keys.per_block = (block_size + 15) / 16;
+  keys.groups.resize(num_kv_heads * keys.num_blocks * keys.per_block * (D / 2));
+  at::parallel_for(0, num_kv_heads * keys.num_blocks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) {
+      const int64_t h = k / keys.num_blocks, blk = k % keys.num_blocks;
+      const int64_t first = blk * block_size, n = std::min(block_size, tokens - first);
+      const c10::BFloat16* block = k_ptr + table[blk] * block_stride + h * D;
+      for (int64_t i0 = 0; i0 < n; i0 += 16)
+        keys_in_lanes<D>(block + i0 * token_stride, token_stride, std::min<int64_t>(16, n - i0),
+                         keys.at(h, blk, i0));
+    }
+  });
+  return keys;
+}
+
 // The scores of a tile's `nq` queries (`q`: the first one's row of head 0) for the heads of
 // kv head `kv_head`, keys in lanes (score_rows, as the decode kernel scores): query i's head
 // kv_head * group + j is row i * group + j of `scores`, rows `stride` apart (on AMX at least
@@ -236,9 +288,8 @@ inline void score_group_amx(const __m512i* kt, const c10::BFloat16* qbuf, int64_
 // scores are the unscaled sums (on AMX: exp_sums_to_bf16 scales them) rather than scaled.
 template <int64_t D>
 inline bool score_kv_head_bf16(const c10::BFloat16* q, int64_t nq, int64_t num_heads, int64_t group,
-                               int64_t kv_head, const c10::BFloat16* k_ptr, const int64_t* table, int64_t num_blocks,
-                               int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t ctx0,
-                               int64_t ctx_max, float scale, float* scores, int64_t stride,
+                               int64_t kv_head, const LaneKeys<D>& keys, int64_t num_blocks, int64_t block_size,
+                               int64_t ctx0, int64_t ctx_max, float scale, float* scores, int64_t stride,
                                std::vector<c10::BFloat16>& qbuf) {
   constexpr int64_t P = D / 2;
   const int64_t rows = nq * group, padded = (rows + kRows - 1) / kRows * kRows;
@@ -247,19 +298,15 @@ inline bool score_kv_head_bf16(const c10::BFloat16* q, int64_t nq, int64_t num_h
   on_tiles = P % 16 == 0 && amx::permitted();
 #endif
   qbuf.assign(padded * D, c10::BFloat16(0.f));
-  alignas(64) __m512i kt[P];
   for (int64_t i = 0; i < nq; ++i)
     std::copy_n(q + (i * num_heads + kv_head * group) * D, group * D, qbuf.data() + i * group * D);
   for (int64_t blk = 0; blk < num_blocks; ++blk) {
     const int64_t first = blk * block_size, tokens = std::min(block_size, ctx_max - first);
-    const c10::BFloat16* block = k_ptr + table[blk] * block_stride + kv_head * D;
-    if (blk + 1 < num_blocks)
-      prefetch_head(k_ptr + table[blk + 1] * block_stride + kv_head * D, token_stride, block_size, D);
     for (int64_t i0 = 0; i0 < tokens; i0 += 16) {
       const int64_t pos = first + i0, n = std::min<int64_t>(16, tokens - i0);
       // the first query reaching these keys: ctx0 + i > pos
       const int64_t from = std::max<int64_t>(0, pos + 1 - ctx0) * group / kRows * kRows;
-      keys_in_lanes<D>(block + i0 * token_stride, token_stride, n, kt);
+      const __m512i* kt = keys.at(kv_head, blk, i0);  // (a group past ctx_max's keys: zero in lanes)
 #if defined(PDSERVE_AMX)
       if constexpr (P % 16 == 0)
         if (on_tiles) {
@@ -285,16 +332,13 @@ inline bool score_kv_head_bf16(const c10::BFloat16* q, int64_t nq, int64_t num_h
 // (score_kv_head_bf16), bf16 exps (exp_row_to_bf16), V weighed by spans (weigh_span_bf16),
 // the weighted sums times 1/sum into `out`. The arithmetic per token is the decode kernel's.
 template <int64_t D>
-inline void prefill_tile_bf16(const c10::BFloat16* q_ptr, const c10::BFloat16* k_ptr, const c10::BFloat16* v_ptr,
-                              const int64_t* table, c10::BFloat16* out_ptr, int64_t q0, int64_t nq, int64_t start_pos,
-                              int64_t num_heads, int64_t num_kv_heads, int64_t block_size, float scale,
-                              TileBuffers& buf) {
+inline void prefill_tile_bf16(const c10::BFloat16* q_ptr, const LaneKeys<D>& keys, const c10::BFloat16* v_ptr,
+                              const ValueTiles<D>* value_tiles, const int64_t* table, c10::BFloat16* out_ptr, int64_t q0,
+                              int64_t nq, int64_t start_pos, int64_t num_heads, int64_t num_kv_heads,
+                              int64_t block_size, float scale, TileBuffers& buf) {
   const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * D;
   const int64_t block_stride = block_size * token_stride, rows = nq * group;
-  bool on_tiles = false;  // P.V on AMX tiles: probabilities in rows of whole tiles, a multiple of 16 rows
-#if defined(PDSERVE_AMX)
-  on_tiles = values_on_tiles<D>(block_size);
-#endif
+  const bool on_tiles = value_tiles != nullptr;  // P.V on AMX tiles: probabilities in rows of whole tiles, a multiple of 16 rows
   const int64_t ctx0 = start_pos + q0 + 1, ctx_max = start_pos + q0 + nq;
   const int64_t p_stride = on_tiles ? (ctx_max + 1 + 31) / 32 * 32 : ctx_max + 1;
   const int64_t padded_rows = on_tiles ? (rows + 15) / 16 * 16 : rows;
@@ -310,9 +354,8 @@ inline void prefill_tile_bf16(const c10::BFloat16* q_ptr, const c10::BFloat16* k
   for (int64_t r = 0; r < rows; ++r) buf.query_of[r] = r / group, buf.row_of[r] = r;
   for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
     const bool unscaled =
-        score_kv_head_bf16<D>(q_ptr + q0 * num_heads * D, nq, num_heads, group, kv_head, k_ptr, table, num_blocks,
-                              block_size, block_stride, token_stride, ctx0, ctx_max, scale, buf.scores.data(), s_stride,
-                              buf.qbuf);
+        score_kv_head_bf16<D>(q_ptr + q0 * num_heads * D, nq, num_heads, group, kv_head, keys, num_blocks,
+                              block_size, ctx0, ctx_max, scale, buf.scores.data(), s_stride, buf.qbuf);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t ctx = ctx0 + buf.query_of[r];
       uint16_t* probs = buf.probs16.data() + r * p_stride;
@@ -321,20 +364,23 @@ inline void prefill_tile_bf16(const c10::BFloat16* q_ptr, const c10::BFloat16* k
       if (on_tiles) std::fill(probs + ctx + 1, probs + p_stride, 0);  // past its tokens: zero
     }
     buf.acc.assign(padded_rows * D, 0.f);
-    for (int64_t blk = 0; blk < num_blocks; blk += span_blocks) {
+#if defined(PDSERVE_AMX)
+    if (on_tiles) {  // each 16 rows over all the tiles their last row reaches, the sums kept on the tiles
+      const auto pairs_of = [&](int64_t j) { return value_tiles->at(kv_head, j); };
+      for (int64_t r0 = 0; r0 < rows; r0 += amx::kRows) {
+        const int64_t reach = ctx0 + buf.query_of[std::min(rows, r0 + amx::kRows) - 1];
+        weigh_tiles_amx<D>(buf.probs16.data() + r0 * p_stride, p_stride, pairs_of, (reach + 31) / 32,
+                           buf.acc.data() + r0 * D);
+      }
+    }
+#endif
+    for (int64_t blk = 0; blk < num_blocks && !on_tiles; blk += span_blocks) {
       const int64_t first = blk * block_size, nblocks = std::min(span_blocks, num_blocks - blk);
       const c10::BFloat16* values[kSpanTokens];
       for (int64_t b = 0; b < nblocks; ++b) values[b] = v_ptr + table[blk + b] * block_stride + kv_head * D;
       if (blk + nblocks < num_blocks)
         prefetch_head(v_ptr + table[blk + nblocks] * block_stride + kv_head * D, token_stride, block_size, D);
       const int64_t span_tokens = std::min(nblocks * block_size, ctx_max - first);
-#if defined(PDSERVE_AMX)
-      if (on_tiles) {
-        weigh_span_amx<D>(values, token_stride, block_size, span_tokens, first, ctx0, rows, buf.probs16.data(),
-                          p_stride, buf.acc.data(), buf.full, buf.query_of.data());
-        continue;
-      }
-#endif
       weigh_span_bf16<D>(values, token_stride, block_size, span_tokens, first, ctx0, nq, 0, group,
                          buf.probs16.data(), p_stride, buf.acc.data(), buf.full, buf.single, buf.query_of.data(),
                          buf.row_of.data());
@@ -349,6 +395,9 @@ inline void prefill_tile_bf16(const c10::BFloat16* q_ptr, const c10::BFloat16* k
     }
   }
 }
+#else
+template <int64_t D>
+struct LaneKeys {};  // (keys in lanes: bf16 with avx512_bf16 only)
 #endif
 
 // A tile of `nq` queries (`q0` the first) attended in the other dtypes (fp32, fp16; bf16 whose
@@ -362,9 +411,9 @@ inline void prefill_tile_bf16(const c10::BFloat16* q_ptr, const c10::BFloat16* k
 // score_lanes_rows, two rows per load of a key with AVX-512), softmax_rows over the row, and V weighed token
 // by token in position order (weigh_block, kRowsF rows that take the same tokens at a time).
 template <typename T, int64_t D>
-inline void prefill_tile(const T* q_ptr, const T* k_ptr, const T* v_ptr, const int64_t* table, T* out_ptr, int64_t q0,
-                         int64_t nq, int64_t start_pos, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
-                         float scale, TileBuffers& buf) {
+inline void prefill_tile(const T* q_ptr, const T* k_ptr, const LaneKeys<D>* keys, const T* v_ptr, const int64_t* table,
+                         T* out_ptr, int64_t q0, int64_t nq, int64_t start_pos, int64_t num_heads, int64_t num_kv_heads,
+                         int64_t block_size, float scale, TileBuffers& buf) {
   constexpr int64_t C = D / kLanes;  // vectors per head row
   constexpr int64_t kRowsF = std::clamp<int64_t>(kAccumulators / C, 1, 8);  // rows weighed together
   const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * D;
@@ -379,8 +428,8 @@ inline void prefill_tile(const T* q_ptr, const T* k_ptr, const T* v_ptr, const i
   for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      score_kv_head_bf16<D>(q_ptr + q0 * num_heads * D, nq, num_heads, group, kv_head, k_ptr, table, num_blocks,
-                            block_size, block_stride, token_stride, ctx0, ctx_max, scale, buf.scores.data(), ctx_max,
+      score_kv_head_bf16<D>(q_ptr + q0 * num_heads * D, nq, num_heads, group, kv_head, *keys, num_blocks,
+                            block_size, ctx0, ctx_max, scale, buf.scores.data(), ctx_max,
                             buf.qbuf);  // (D % 32 != 0 here: never on tiles, the scores scaled)
     } else
 #endif
@@ -452,6 +501,21 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
   T* out_ptr = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
   const int64_t num_tiles = (n + tile_size - 1) / tile_size;
+  // K in lanes and V in AMX tiles for the whole prefix, made once for every tile (bf16)
+  LaneKeys<D> keys;
+  ValueTiles<D> values;
+  bool on_tiles = false;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    keys = make_lane_keys<D>(k_ptr, table, start_pos + n, num_kv_heads, block_size);
+#if defined(PDSERVE_AMX)
+    if constexpr (D % 32 == 0) {
+      on_tiles = values_on_tiles<D>();
+      if (on_tiles) values = make_value_tiles<D>(v_ptr, table, start_pos + n, num_kv_heads, block_size);
+    }
+#endif
+  }
+#endif
   at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
     const TileScope tiles;
     TileBuffers buf;
@@ -459,13 +523,13 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
       const int64_t q0 = balanced_tile(k, num_tiles) * tile_size, nq = std::min(tile_size, n - q0);
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, c10::BFloat16> && D % 32 == 0) {
-        prefill_tile_bf16<D>(q_ptr, k_ptr, v_ptr, table, out_ptr, q0, nq, start_pos, num_heads, num_kv_heads,
-                             block_size, fscale, buf);
+        prefill_tile_bf16<D>(q_ptr, keys, v_ptr, on_tiles ? &values : nullptr, table, out_ptr, q0, nq, start_pos,
+                             num_heads, num_kv_heads, block_size, fscale, buf);
         continue;
       }
 #endif
-      prefill_tile<T, D>(q_ptr, k_ptr, v_ptr, table, out_ptr, q0, nq, start_pos, num_heads, num_kv_heads, block_size,
-                         fscale, buf);
+      prefill_tile<T, D>(q_ptr, k_ptr, &keys, v_ptr, table, out_ptr, q0, nq, start_pos, num_heads, num_kv_heads,
+                         block_size, fscale, buf);
     }
   });
 }
