@@ -370,17 +370,17 @@ inline void transpose16x16(__m512i (&r)[16]) {
   }
 }
 
-// Keys in lanes: up to 16 consecutive cached tokens' bf16 K rows of one kv head (`key`: the
-// first token's row for that head) rearranged so that kt[p] (p < D/2) holds, in lane t, dims
-// 2p and 2p+1 of token t; lanes past `n` are zero (those rows are never read).
-template <int64_t D>
-inline void keys_in_lanes(const c10::BFloat16* key, int64_t token_stride, int64_t n, __m512i* kt) {
+// Keys in lanes: up to 16 cached tokens' bf16 K rows of one kv head (`row(t)`: token t's row
+// for that head) rearranged so that kt[p] (p < D/2) holds, in lane t, dims 2p and 2p+1 of
+// token t; lanes past `n` are zero (those rows are never read).
+template <int64_t D, typename Row>
+inline void keys_in_lanes_of(const Row& row, int64_t n, __m512i* kt) {
   constexpr int64_t P = D / 2;  // bf16 pairs (dwords) per row
   for (int64_t c = 0; c < P; c += 16) {
     const __mmask16 cols = P - c >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (P - c)) - 1);
     __m512i r[16];
     for (int64_t t = 0; t < 16; ++t)
-      r[t] = t < n ? _mm512_maskz_loadu_epi32(cols, key + t * token_stride + 2 * c) : _mm512_setzero_si512();
+      r[t] = t < n ? _mm512_maskz_loadu_epi32(cols, row(t) + 2 * c) : _mm512_setzero_si512();
     transpose16x16(r);
     // stored one by one, unrolled: as a loop, the compiler made it a memcpy of the rows spilled
     // to the stack (with a vzeroupper), which took 9% of the decode kernel's time
@@ -388,6 +388,12 @@ inline void keys_in_lanes(const c10::BFloat16* key, int64_t token_stride, int64_
     for (int64_t j = 0; j < 16; ++j)
       if (j < P - c) _mm512_store_si512(kt + c + j, r[j]);
   }
+}
+
+// The same for keys `token_stride` apart from `key`.
+template <int64_t D>
+inline void keys_in_lanes(const c10::BFloat16* key, int64_t token_stride, int64_t n, __m512i* kt) {
+  keys_in_lanes_of<D>([&](int64_t t) { return key + t * token_stride; }, n, kt);
 }
 
 // Two neighbouring bf16 (or uint16) values as one 32-bit word, the first in the low half.
@@ -629,46 +635,49 @@ inline __m512 exp16(__m512 x) {
 }
 
 // One row of `len` scores to the weights of bf16 P.V: exp(score - the row's max) rounded to
-// bf16 into `o` (`len + 1` long, the last entry 0), in one pass (exp16, the sum taken 16
-// lanes at a time from the row's first element, so the row's address changes nothing). Returns
-// 1/sum of the rounded weights: the caller scales the weighted sum of V by it (as flash
-// attention normalises at the end), so the rounded weights of a row sum to exactly one.
-// `scores(t, mask)`: the 16 scores from t (those in `mask`; the row is read through it).
-template <typename Scores>
-inline float exp_to_bf16(const Scores& scores, int64_t len, float max, uint16_t* o) {
+// bf16, in one pass (exp16, the sum taken 16 lanes at a time from the row's first element, so
+// the row's address changes nothing). Returns 1/sum of the rounded weights: the caller scales
+// the weighted sum of V by it (as flash attention normalises at the end), so the rounded
+// weights of a row sum to exactly one. `scores(t, mask)`: the 16 scores from t (those in
+// `mask`; the row is read through it); `store(t, weights, mask)`: the 16 weights from t.
+template <typename Scores, typename Store>
+inline float exp_to_bf16(const Scores& scores, int64_t len, float max, const Store& store) {
   const __m512 max_score = _mm512_set1_ps(max);
   __m512 sum = _mm512_setzero_ps();
   int64_t t = 0;
   for (; t + 16 <= len; t += 16) {
     const __m256bh e = _mm512_cvtneps_pbh(exp16(_mm512_sub_ps(scores(t, static_cast<__mmask16>(0xFFFF)), max_score)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + t), (__m256i)e);
+    store(t, e, static_cast<__mmask16>(0xFFFF));
     sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(e));
   }
   if (t < len) {
     const __mmask16 m = static_cast<__mmask16>((1u << (len - t)) - 1);
     const __m256bh e = _mm512_cvtneps_pbh(exp16(_mm512_sub_ps(scores(t, m), max_score)));
-    _mm256_mask_storeu_epi16(o + t, m, (__m256i)e);
+    store(t, e, m);
     sum = _mm512_mask_add_ps(sum, m, sum, _mm512_cvtpbh_ps(e));
   }
-  o[len] = 0;
   return 1.f / _mm512_reduce_add_ps(sum);
 }
+// The weights into a row `o` (`len + 1` long, the last entry 0).
+inline float exp_to_bf16_row(const auto& scores, int64_t len, float max, uint16_t* o) {
+  const float inv = exp_to_bf16(scores, len, max, [o](int64_t t, __m256bh e, __mmask16 m) {
+    _mm256_mask_storeu_epi16(o + t, m, (__m256i)e);
+  });
+  o[len] = 0;
+  return inv;
+}
 inline float exp_row_to_bf16(const float* s, int64_t len, uint16_t* o) {
-  return exp_to_bf16([s](int64_t t, __mmask16 m) { return _mm512_maskz_loadu_ps(m, s + t); }, len, row_max(s, len), o);
+  return exp_to_bf16_row([s](int64_t t, __mmask16 m) { return _mm512_maskz_loadu_ps(m, s + t); }, len,
+                         row_max(s, len), o);
 }
-// The same for a row of unscaled sums: each score is sum * scale, rounded to fp32 before the
-// max is subtracted (an explicitly rounded multiply, which the compiler cannot fuse into the
-// subtraction), the bits score_rows gives; the max of the scores is the largest sum times the
-// scale (rounding keeps the order, scale > 0).
-inline float exp_sums_to_bf16(const float* sums, int64_t len, float scale, uint16_t* o) {
-  const __m512 s = _mm512_set1_ps(scale);
-  const auto scores = [&](int64_t t, __mmask16 m) {
-    return _mm512_mul_round_ps(_mm512_maskz_loadu_ps(m, sums + t), s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  };
-  const float max = _mm512_cvtss_f32(_mm512_mul_round_ps(_mm512_set1_ps(row_max(sums, len)), s,
-                                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  return exp_to_bf16(scores, len, max, o);
+// A score from its unscaled sum: sum * scale rounded to fp32 before the max is subtracted (an
+// explicitly rounded multiply, which the compiler cannot fuse into the subtraction), the bits
+// score_rows gives. The max of a row's scores is its largest sum times the scale (rounding
+// keeps the order, scale > 0).
+inline __m512 scaled(__m512 sums, float scale) {
+  return _mm512_mul_round_ps(sums, _mm512_set1_ps(scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
+inline float scaled_max(float max_sum, float scale) { return _mm512_cvtss_f32(scaled(_mm512_set1_ps(max_sum), scale)); }
 
 #if defined(PDSERVE_AMX)
 // Whether bf16 P.V runs on AMX tiles (weigh_tiles_amx) for head size D, in both kernels
@@ -698,19 +707,18 @@ inline void value_pairs(const Row& row, int64_t p0, int64_t p1, int64_t n, uint1
   }
 }
 
-// A tile's rows (16, or TileScope's) of fp32 accumulators (`acc`, rows D apart) plus their bf16 probabilities (`probs`,
-// rows `p_stride` apart, tile j's 32 tokens at probs + 32j, zero past a row's tokens) times
-// `tiles` tiles of V pairs (value_tiles), on AMX (the calling thread's TileScope): per 16 dims,
-// one instruction per tile of 32 tokens, in order. A row's sums depend only on its own
-// probabilities and the tokens' V: zero probabilities add nothing, whatever the V beside
-// them, so a query weighed among others (prefill) or alone (decode) gets the same bits.
-// Up to 4 groups of 16 dims at a time, each in its own C tile (0, 3, 4, 5), so that their
-// chains of instructions overlap and each tile of probabilities (A: tile 1) is loaded once for
-// them; B tiles 2, 6, 7 in turn.
-// `pairs_of(j)`: tile j's 16 pairs ([16][D / 16][32], as value_tiles lays them out), asked for
-// once per tile per 64 dims.
-template <int64_t D, typename PairsOf>
-inline void weigh_tiles_amx(const uint16_t* probs, int64_t p_stride, const PairsOf& pairs_of, int64_t tiles,
+// A tile's rows (16, or TileScope's) of fp32 accumulators (`acc`, rows D apart) plus their
+// bf16 probabilities times `tiles` tiles of V pairs, on AMX (the calling thread's TileScope):
+// per 16 dims, one instruction per tile of 32 tokens, in order. `probs_of(j)`: the rows'
+// probabilities of tokens 32j to 32j + 31 (rows `p_stride` apart, zero past a row's tokens);
+// `pairs_of(j)`: tile j's 16 pairs (value_pairs' layout), asked for once per tile per 64 dims.
+// A row's sums depend only on its own probabilities and the tokens' V: zero probabilities add
+// nothing, whatever the V beside them, so a query weighed among others (prefill) or alone
+// (decode) gets the same bits. Up to 4 groups of 16 dims at a time, each in its own C tile
+// (0, 3, 4, 5), so that their chains of instructions overlap and each tile of probabilities
+// (A: tile 1) is loaded once for them; B tiles 2, 6, 7 in turn.
+template <int64_t D, typename ProbsOf, typename PairsOf>
+inline void weigh_tiles_amx(const ProbsOf& probs_of, int64_t p_stride, const PairsOf& pairs_of, int64_t tiles,
                             float* acc) {
   constexpr int64_t C = D / 16;  // even: D is a multiple of 32
   constexpr int64_t kB = C * 64;  // bytes between a tile's pairs
@@ -725,7 +733,7 @@ inline void weigh_tiles_amx(const uint16_t* probs, int64_t p_stride, const Pairs
     }
     for (int64_t j = 0; j < tiles; ++j) {
       const uint16_t* b = pairs_of(j) + c0 * 32;
-      _tile_loadd(1, probs + 32 * j, p_stride * 2);
+      _tile_loadd(1, probs_of(j), p_stride * 2);
       _tile_loadd(2, b, kB);
       _tile_dpbf16ps(0, 1, 2);
       _tile_loadd(6, b + 32, kB);

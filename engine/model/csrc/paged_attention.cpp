@@ -275,7 +275,8 @@ inline void weigh_sequence_amx(const Operands<c10::BFloat16>& o, const SequenceB
     };
     std::fill(sums.begin(), sums.end(), 0.f);
     for (int64_t r0 = 0; r0 < rows; r0 += R)
-      weigh_tiles_amx<D>(probs.data() + r0 * p_stride, p_stride, pairs_of, tiles, sums.data() + r0 * D);
+      weigh_tiles_amx<D>([&](int64_t j) { return probs.data() + r0 * p_stride + 32 * j; }, p_stride, pairs_of, tiles,
+                         sums.data() + r0 * D);
     std::copy_n(sums.data(), group * D, acc + kv_head * group * D);
   }
 }

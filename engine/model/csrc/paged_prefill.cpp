@@ -183,21 +183,23 @@ constexpr int kRows = 16;  // query rows scored together against one group of ke
 
 #if defined(PDSERVE_AMX)
 // The unscaled sums of score_rows_amx (the same instructions per row, so the same bits before
-// its multiplication by the scale, which exp_sums_to_bf16 applies) of rows [from, rows) of
-// `qbuf` (D apart, padded with zero rows to a multiple of kRows) against one group of 16
-// keys in lanes `kt`: stored as they come off the tiles, row r's at sums + r * stride (all
-// 16 lanes, those past the group's tokens too). Up to 4 row blocks of 16 at a time, each in
-// its own C tile (0, 3, 4, 5), so that their chains of instructions overlap; A tiles 1 and 6
-// and B tiles 2 and 7 in turn. The calling thread's TileScope has 16 rows a tile.
+// the multiplication by the scale, which `scaled` applies) of rows [from, rows) of `qbuf` (D
+// apart, padded with zero rows to a multiple of kRows; `from` a multiple of kRows) against one
+// group of 16 keys in lanes `kt`, stored as they come off the tiles: row block b's 16 rows of
+// 16 lanes (those past the group's tokens too) at sums + b * block_step, 64 bytes a row. Up to
+// 4 row blocks at a time, each in its own C tile (0, 3, 4, 5), so that their chains of
+// instructions overlap; A tiles 1 and 6 and B tiles 2 and 7 in turn. The calling thread's
+// TileScope has 16 rows a tile.
 template <int64_t D>
 inline void score_group_amx(const __m512i* kt, const c10::BFloat16* qbuf, int64_t from, int64_t rows, float* sums,
-                            int64_t stride) {
+                            int64_t block_step) {
   constexpr int64_t P = D / 2;
   static_assert(P % 16 == 0, "whole tiles of pairs");
   for (int64_t r0 = from; r0 < rows; r0 += 4 * kRows) {
     const int blocks = static_cast<int>(std::min<int64_t>(4, (rows - r0 + kRows - 1) / kRows));
-    float* out = sums + r0 * stride;
-    const int64_t out_stride = stride * 4, block = kRows * stride;
+    float* out = sums + r0 / kRows * block_step;
+    constexpr int64_t out_stride = 64;
+    const int64_t block = block_step;
     // tile numbers must be constants: each count of row blocks is its own sequence
     auto run = [&](auto count) {
       constexpr int nb = decltype(count)::value;
@@ -239,20 +241,15 @@ inline void score_group_amx(const __m512i* kt, const c10::BFloat16* qbuf, int64_
 }
 #endif
 
-// A call's keys put in lanes once for all its query tiles (keys_in_lanes of each group of up
-// to 16 keys of a block, 16 from the block's first, per kv head): made per query tile, the
-// transposes and the scattered reads of K behind them were repeated by every tile.
+// A call's keys put in lanes once for all its query tiles (keys_in_lanes_of each group of 16
+// positions, 16g to 16g + 15, per kv head): made per query tile, the transposes and the
+// scattered reads of K behind them were repeated by every tile.
 template <int64_t D>
 struct LaneKeys {
-  std::vector<__m512i> groups;  // [kv_head][block][group][D / 2]
-  int64_t num_blocks = 0, per_block = 0;
-  // the group of block `blk` (of the sequence's blocks) whose first key is token i0 of the block
-  const __m512i* at(int64_t h, int64_t blk, int64_t i0) const {
-    return groups.data() + ((h * num_blocks + blk) * per_block + i0 / 16) * (D / 2);
-  }
-  __m512i* at(int64_t h, int64_t blk, int64_t i0) {
-    return groups.data() + ((h * num_blocks + blk) * per_block + i0 / 16) * (D / 2);
-  }
+  std::vector<__m512i> groups;  // [kv_head][group][D / 2]
+  int64_t num_groups = 0;
+  const __m512i* at(int64_t h, int64_t g) const { return groups.data() + (h * num_groups + g) * (D / 2); }
+  __m512i* at(int64_t h, int64_t g) { return groups.data() + (h * num_groups + g) * (D / 2); }
 };
 
 template <int64_t D>
@@ -260,130 +257,176 @@ LaneKeys<D> make_lane_keys(const c10::BFloat16* k_ptr, const int64_t* table, int
                            int64_t block_size) {
   LaneKeys<D> keys;
   const int64_t token_stride = num_kv_heads * D, block_stride = block_size * token_stride;
-  keys.num_blocks = (tokens + block_size - 1) / block_size;
-  keys.per_block = (block_size + 15) / 16;
-  keys.groups.resize(num_kv_heads * keys.num_blocks * keys.per_block * (D / 2));
-  at::parallel_for(0, num_kv_heads * keys.num_blocks, 16, [&](int64_t begin, int64_t end) {
+  keys.num_groups = (tokens + 15) / 16;
+  keys.groups.resize(num_kv_heads * keys.num_groups * (D / 2));
+  at::parallel_for(0, num_kv_heads * keys.num_groups, 16, [&](int64_t begin, int64_t end) {
     for (int64_t k = begin; k < end; ++k) {
-      const int64_t h = k / keys.num_blocks, blk = k % keys.num_blocks;
-      const int64_t first = blk * block_size, n = std::min(block_size, tokens - first);
-      const c10::BFloat16* block = k_ptr + table[blk] * block_stride + h * D;
-      for (int64_t i0 = 0; i0 < n; i0 += 16)
-        keys_in_lanes<D>(block + i0 * token_stride, token_stride, std::min<int64_t>(16, n - i0),
-                         keys.at(h, blk, i0));
+      const int64_t h = k / keys.num_groups, first = k % keys.num_groups * 16;
+      const auto row = [&](int64_t t) {
+        const int64_t pos = first + t;
+        return k_ptr + table[pos / block_size] * block_stride + (pos % block_size) * token_stride + h * D;
+      };
+      keys_in_lanes_of<D>(row, std::min<int64_t>(16, tokens - first), keys.at(h, k % keys.num_groups));
     }
   });
   return keys;
 }
 
-// The scores of a tile's `nq` queries (`q`: the first one's row of head 0) for the heads of
-// kv head `kv_head`, keys in lanes (score_rows, as the decode kernel scores): query i's head
-// kv_head * group + j is row i * group + j of `scores`, rows `stride` apart (on AMX at least
-// ctx_max + 16, with a row per zero row of `qbuf`), query i attending to the first
-// `ctx0 + i` tokens. The tile's rows of the group (query-major) are copied to `qbuf`, padded
-// with zero rows to a multiple of kRows; each group of up to 16 keys of a block is put in
-// lanes once and scored against all of them, kRows at a time (on AMX, up to 4 x kRows, the
-// sums stored unscaled: score_group_amx), skipping rows whose query does not reach it. Only
-// the kv head's rows of the next block are fetched ahead (prefetch_head). Returns whether the
-// scores are the unscaled sums (on AMX: exp_sums_to_bf16 scales them) rather than scaled.
+// The tile's rows of kv head `kv_head`'s group (query i's head kv_head * group + j is row
+// i * group + j) from `q` (the tile's first query's row of head 0) into `qbuf`, padded with
+// zero rows to a multiple of kRows.
 template <int64_t D>
-inline bool score_kv_head_bf16(const c10::BFloat16* q, int64_t nq, int64_t num_heads, int64_t group,
-                               int64_t kv_head, const LaneKeys<D>& keys, int64_t num_blocks, int64_t block_size,
-                               int64_t ctx0, int64_t ctx_max, float scale, float* scores, int64_t stride,
-                               std::vector<c10::BFloat16>& qbuf) {
-  constexpr int64_t P = D / 2;
-  const int64_t rows = nq * group, padded = (rows + kRows - 1) / kRows * kRows;
-  bool on_tiles = false;
-#if defined(PDSERVE_AMX)
-  on_tiles = P % 16 == 0 && amx::permitted();
-#endif
-  qbuf.assign(padded * D, c10::BFloat16(0.f));
+inline void tile_rows(const c10::BFloat16* q, int64_t nq, int64_t num_heads, int64_t group, int64_t kv_head,
+                      std::vector<c10::BFloat16>& qbuf) {
+  qbuf.assign((nq * group + kRows - 1) / kRows * kRows * D, c10::BFloat16(0.f));
   for (int64_t i = 0; i < nq; ++i)
     std::copy_n(q + (i * num_heads + kv_head * group) * D, group * D, qbuf.data() + i * group * D);
-  for (int64_t blk = 0; blk < num_blocks; ++blk) {
-    const int64_t first = blk * block_size, tokens = std::min(block_size, ctx_max - first);
-    for (int64_t i0 = 0; i0 < tokens; i0 += 16) {
-      const int64_t pos = first + i0, n = std::min<int64_t>(16, tokens - i0);
-      // the first query reaching these keys: ctx0 + i > pos
-      const int64_t from = std::max<int64_t>(0, pos + 1 - ctx0) * group / kRows * kRows;
-      const __m512i* kt = keys.at(kv_head, blk, i0);  // (a group past ctx_max's keys: zero in lanes)
-#if defined(PDSERVE_AMX)
-      if constexpr (P % 16 == 0)
-        if (on_tiles) {
-          score_group_amx<D>(kt, qbuf.data(), from, rows, scores + pos, stride);
-          continue;
-        }
-#endif
-      for (int64_t r0 = from; r0 < rows; r0 += kRows) {
-        __m512 s[1][kRows];
-        score_rows<D, kRows, 1>(kt, qbuf.data() + r0 * D, D, scale, s);
-        const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
-        for (int r = 0; r < kRows && r0 + r < rows; ++r)
-          _mm512_mask_storeu_ps(scores + (r0 + r) * stride + pos, mask, s[0][r]);
-      }
+}
+
+// The first row (a multiple of kRows) whose query reaches the key at `pos`: query i attends to
+// the first ctx0 + i tokens, and row r is query r / group.
+inline int64_t first_row(int64_t pos, int64_t ctx0, int64_t group) {
+  return std::max<int64_t>(0, pos + 1 - ctx0) * group / kRows * kRows;
+}
+
+// The scaled scores of the rows of `qbuf` (tile_rows; `rows` of them, query i attending to the
+// first ctx0 + i tokens, the last to ctx_max) for kv head `kv_head`, keys in lanes (score_rows,
+// as the decode kernel scores): row r's at scores + r * stride, each group of 16 keys scored
+// against all the rows that reach it, kRows at a time.
+template <int64_t D>
+inline void score_kv_head_bf16(const c10::BFloat16* qbuf, int64_t rows, int64_t group, int64_t kv_head,
+                               const LaneKeys<D>& keys, int64_t ctx0, int64_t ctx_max, float scale, float* scores,
+                               int64_t stride) {
+  for (int64_t pos = 0; pos < ctx_max; pos += 16) {
+    const __m512i* kt = keys.at(kv_head, pos / 16);
+    const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(16, ctx_max - pos)) - 1);
+    for (int64_t r0 = first_row(pos, ctx0, group); r0 < rows; r0 += kRows) {
+      __m512 s[1][kRows];
+      score_rows<D, kRows, 1>(kt, qbuf + r0 * D, D, scale, s);
+      for (int r = 0; r < kRows && r0 + r < rows; ++r) _mm512_mask_storeu_ps(scores + (r0 + r) * stride + pos, mask, s[0][r]);
     }
   }
-  return on_tiles;
 }
+
+#if defined(PDSERVE_AMX)
+constexpr int64_t kBlocksAtOnce = 2;  // row blocks of 16 taken through all three passes together
+
+// One row's unscaled sums (`sums`: 16 lanes a group of keys, group g's at sums + 256 g; its
+// first `len` tokens its own) to its bf16 weights as rows of A tiles (`probs`: tokens 32j to
+// 32j + 31 at probs + 512 j), zero from `len` up to `reach` (a multiple of 32), by
+// exp_to_bf16 of its scaled sums after the largest (exact in any order), the arithmetic of
+// exp_row_to_bf16 on the decode kernel's scores. Returns 1/sum of the weights.
+inline float tile_row_weights(const float* sums, int64_t len, int64_t reach, float scale, uint16_t* probs) {
+  const auto at = [](int64_t t) { return t / 32 * 512 + t % 32; };  // token t's weight (t a multiple of 16)
+  float inv_sum = 0.f;
+  if (len > 0) {
+    __m512 max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    int64_t t = 0;
+    for (; t + 16 <= len; t += 16) max = _mm512_max_ps(max, _mm512_loadu_ps(sums + t * 16));
+    if (t < len) max = _mm512_mask_max_ps(max, static_cast<__mmask16>((1u << (len - t)) - 1), max,
+                                          _mm512_loadu_ps(sums + t * 16));
+    inv_sum = exp_to_bf16(
+        [&](int64_t t, __mmask16 m) { return scaled(_mm512_maskz_loadu_ps(m, sums + t * 16), scale); }, len,
+        scaled_max(_mm512_reduce_max_ps(max), scale),
+        [&](int64_t t, __m256bh e, __mmask16 m) { _mm256_mask_storeu_epi16(probs + at(t), m, (__m256i)e); });
+  }
+  for (int64_t t = len / 16 * 16; t < reach; t += 16) {  // past its tokens: zero
+    const __mmask16 keep = t < len ? static_cast<__mmask16>((1u << (len - t)) - 1) : 0;
+    _mm256_mask_storeu_epi16(probs + at(t), static_cast<__mmask16>(~keep), _mm256_setzero_si256());
+  }
+  return inv_sum;
+}
+
+// prefill_tile_bf16's kv head on AMX, its rows in blocks of 16 as the tiles take them,
+// kBlocksAtOnce blocks at a time through all three passes: their scores group by group
+// (score_group_amx, into `buf.scores` [block][group][16 rows][16 lanes]), each row's weights
+// (tile_row_weights, into `buf.probs16` [block][tile of 32 tokens][16 rows][32]), and P.V
+// of each block over the tiles its last row reaches (weigh_tiles_amx, the sums kept on the
+// tiles, V from `values`) into `buf.acc`; each row's 1/sum into `buf.norms`. Every tile is
+// stored and loaded as 1 KB of contiguous memory, and a block pair's scores (32 rows, 1 MB at
+// 8,000 tokens) stay in L2 between the passes: rows of scores `ctx + 16` long, 16 lines
+// 32 KB apart per tile, all 96 rows' at once (4.5 MB with their weights), went to L3 and back.
+template <int64_t D>
+inline void attend_kv_head_amx(const c10::BFloat16* qbuf, int64_t rows, int64_t group, int64_t kv_head,
+                               const LaneKeys<D>& keys, const ValueTiles<D>& values, int64_t ctx0, int64_t ctx_max,
+                               float scale, TileBuffers& buf) {
+  const int64_t groups = (ctx_max + 15) / 16, tiles = (ctx_max + 31) / 32, blocks = (rows + kRows - 1) / kRows;
+  buf.scores.resize(kBlocksAtOnce * groups * 256);
+  buf.probs16.resize(kBlocksAtOnce * tiles * 512);
+  for (int64_t b0 = 0; b0 < blocks; b0 += kBlocksAtOnce) {
+    const int64_t b1 = std::min(blocks, b0 + kBlocksAtOnce), end = std::min(rows, b1 * kRows);
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t from = std::max(first_row(16 * g, ctx0, group), b0 * kRows);
+      if (from < end)
+        score_group_amx<D>(keys.at(kv_head, g), qbuf + b0 * kRows * D, from - b0 * kRows, end - b0 * kRows,
+                           buf.scores.data() + g * 256, groups * 256);
+    }
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t last = std::min(rows, (b + 1) * kRows) - 1, reach = (ctx0 + last / group + 31) / 32 * 32;
+      const float* sums = buf.scores.data() + (b - b0) * groups * 256;
+      uint16_t* probs = buf.probs16.data() + (b - b0) * tiles * 512;
+      for (int64_t i = 0; i < kRows; ++i) {
+        const int64_t r = b * kRows + i;
+        const float inv_sum = tile_row_weights(sums + i * 16, r < rows ? ctx0 + r / group : 0, reach, scale,
+                                               probs + i * 32);
+        if (r < rows) buf.norms[r] = inv_sum;
+      }
+      weigh_tiles_amx<D>([&](int64_t j) { return probs + j * 512; }, 32,
+                         [&](int64_t j) { return values.at(kv_head, j); }, reach / 32, buf.acc.data() + b * kRows * D);
+    }
+  }
+}
+#endif
 
 // A tile of `nq` queries (`q0` the first, at position start_pos + q0) attended in bf16 with
 // avx512_bf16 (D a multiple of 32), one kv head at a time so that the tile's scores (rows of
-// its group only: nq * group, query-major) stay in the L2 cache between the passes: scores
-// (score_kv_head_bf16), bf16 exps (exp_row_to_bf16), V weighed by spans (weigh_span_bf16),
-// the weighted sums times 1/sum into `out`. The arithmetic per token is the decode kernel's.
+// its group only: nq * group, query-major) stay in the L2 cache between the passes: scores,
+// bf16 exps, V weighed, the weighted sums times 1/sum into `out`. On AMX (`values` given)
+// attend_kv_head_amx; otherwise score_kv_head_bf16, exp_row_to_bf16 and V weighed by spans
+// (weigh_span_bf16). The arithmetic per token is the decode kernel's.
 template <int64_t D>
 inline void prefill_tile_bf16(const c10::BFloat16* q_ptr, const LaneKeys<D>& keys, const c10::BFloat16* v_ptr,
-                              const ValueTiles<D>* value_tiles, const int64_t* table, c10::BFloat16* out_ptr, int64_t q0,
+                              const ValueTiles<D>* values, const int64_t* table, c10::BFloat16* out_ptr, int64_t q0,
                               int64_t nq, int64_t start_pos, int64_t num_heads, int64_t num_kv_heads,
                               int64_t block_size, float scale, TileBuffers& buf) {
   const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * D;
   const int64_t block_stride = block_size * token_stride, rows = nq * group;
-  const bool on_tiles = value_tiles != nullptr;  // P.V on AMX tiles: probabilities in rows of whole tiles, a multiple of 16 rows
   const int64_t ctx0 = start_pos + q0 + 1, ctx_max = start_pos + q0 + nq;
-  const int64_t p_stride = on_tiles ? (ctx_max + 1 + 31) / 32 * 32 : ctx_max + 1;
-  const int64_t padded_rows = on_tiles ? (rows + 15) / 16 * 16 : rows;
   const int64_t num_blocks = (ctx_max + block_size - 1) / block_size;
   const int64_t span_blocks = block_size % 2 == 0 ? std::max<int64_t>(1, kSpanTokens / block_size) : 1;
-  const int64_t s_stride = ctx_max + 16;  // score rows: room for a last group's 16 lanes (score_kv_head_bf16)
-  buf.scores.resize((rows + kRows - 1) / kRows * kRows * s_stride);
-  buf.probs16.resize(padded_rows * p_stride);
-  if (on_tiles) std::fill(buf.probs16.begin() + rows * p_stride, buf.probs16.end(), 0);
+  const int64_t p_stride = ctx_max + 1;
   buf.norms.resize(rows);
   buf.query_of.resize(rows);
   buf.row_of.resize(rows);
   for (int64_t r = 0; r < rows; ++r) buf.query_of[r] = r / group, buf.row_of[r] = r;
   for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
-    const bool unscaled =
-        score_kv_head_bf16<D>(q_ptr + q0 * num_heads * D, nq, num_heads, group, kv_head, keys, num_blocks,
-                              block_size, ctx0, ctx_max, scale, buf.scores.data(), s_stride, buf.qbuf);
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t ctx = ctx0 + buf.query_of[r];
-      uint16_t* probs = buf.probs16.data() + r * p_stride;
-      const float* row = buf.scores.data() + r * s_stride;
-      buf.norms[r] = unscaled ? exp_sums_to_bf16(row, ctx, scale, probs) : exp_row_to_bf16(row, ctx, probs);
-      if (on_tiles) std::fill(probs + ctx + 1, probs + p_stride, 0);  // past its tokens: zero
-    }
-    buf.acc.assign(padded_rows * D, 0.f);
+    tile_rows<D>(q_ptr + q0 * num_heads * D, nq, num_heads, group, kv_head, buf.qbuf);
 #if defined(PDSERVE_AMX)
-    if (on_tiles) {  // each 16 rows over all the tiles their last row reaches, the sums kept on the tiles
-      const auto pairs_of = [&](int64_t j) { return value_tiles->at(kv_head, j); };
-      for (int64_t r0 = 0; r0 < rows; r0 += amx::kRows) {
-        const int64_t reach = ctx0 + buf.query_of[std::min(rows, r0 + amx::kRows) - 1];
-        weigh_tiles_amx<D>(buf.probs16.data() + r0 * p_stride, p_stride, pairs_of, (reach + 31) / 32,
-                           buf.acc.data() + r0 * D);
-      }
-    }
+    if (values != nullptr) {
+      buf.acc.assign((rows + kRows - 1) / kRows * kRows * D, 0.f);
+      attend_kv_head_amx<D>(buf.qbuf.data(), rows, group, kv_head, keys, *values, ctx0, ctx_max, scale, buf);
+    } else
 #endif
-    for (int64_t blk = 0; blk < num_blocks && !on_tiles; blk += span_blocks) {
-      const int64_t first = blk * block_size, nblocks = std::min(span_blocks, num_blocks - blk);
-      const c10::BFloat16* values[kSpanTokens];
-      for (int64_t b = 0; b < nblocks; ++b) values[b] = v_ptr + table[blk + b] * block_stride + kv_head * D;
-      if (blk + nblocks < num_blocks)
-        prefetch_head(v_ptr + table[blk + nblocks] * block_stride + kv_head * D, token_stride, block_size, D);
-      const int64_t span_tokens = std::min(nblocks * block_size, ctx_max - first);
-      weigh_span_bf16<D>(values, token_stride, block_size, span_tokens, first, ctx0, nq, 0, group,
-                         buf.probs16.data(), p_stride, buf.acc.data(), buf.full, buf.single, buf.query_of.data(),
-                         buf.row_of.data());
+    {
+      buf.scores.resize(rows * ctx_max);
+      buf.probs16.resize(rows * p_stride);
+      score_kv_head_bf16<D>(buf.qbuf.data(), rows, group, kv_head, keys, ctx0, ctx_max, scale, buf.scores.data(),
+                            ctx_max);
+      for (int64_t r = 0; r < rows; ++r)
+        buf.norms[r] = exp_row_to_bf16(buf.scores.data() + r * ctx_max, ctx0 + buf.query_of[r],
+                                       buf.probs16.data() + r * p_stride);
+      buf.acc.assign(rows * D, 0.f);
+      for (int64_t blk = 0; blk < num_blocks; blk += span_blocks) {
+        const int64_t first = blk * block_size, nblocks = std::min(span_blocks, num_blocks - blk);
+        const c10::BFloat16* spans[kSpanTokens];
+        for (int64_t b = 0; b < nblocks; ++b) spans[b] = v_ptr + table[blk + b] * block_stride + kv_head * D;
+        if (blk + nblocks < num_blocks)
+          prefetch_head(v_ptr + table[blk + nblocks] * block_stride + kv_head * D, token_stride, block_size, D);
+        const int64_t span_tokens = std::min(nblocks * block_size, ctx_max - first);
+        weigh_span_bf16<D>(spans, token_stride, block_size, span_tokens, first, ctx0, nq, 0, group,
+                           buf.probs16.data(), p_stride, buf.acc.data(), buf.full, buf.single, buf.query_of.data(),
+                           buf.row_of.data());
+      }
     }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i = buf.query_of[r], h = kv_head * group + r - i * group;
@@ -428,9 +471,9 @@ inline void prefill_tile(const T* q_ptr, const T* k_ptr, const LaneKeys<D>* keys
   for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      score_kv_head_bf16<D>(q_ptr + q0 * num_heads * D, nq, num_heads, group, kv_head, *keys, num_blocks,
-                            block_size, ctx0, ctx_max, scale, buf.scores.data(), ctx_max,
-                            buf.qbuf);  // (D % 32 != 0 here: never on tiles, the scores scaled)
+      tile_rows<D>(q_ptr + q0 * num_heads * D, nq, num_heads, group, kv_head, buf.qbuf);
+      score_kv_head_bf16<D>(buf.qbuf.data(), rows, group, kv_head, *keys, ctx0, ctx_max, scale, buf.scores.data(),
+                            ctx_max);
     } else
 #endif
     for (int64_t blk0 = 0; blk0 < num_blocks; blk0 += span_blocks) {  // scores, span by span
