@@ -309,7 +309,7 @@ inline void score_kv_head_bf16(const c10::BFloat16* qbuf, int64_t rows, int64_t 
 }
 
 #if defined(PDSERVE_AMX)
-constexpr int64_t kBlocksAtOnce = 2;  // row blocks of 16 taken through all three passes together
+constexpr int64_t kBlocksAtOnce = 2;  // row blocks of 16 taken through all three passes together (weigh_tile_pair_amx)
 
 // One row's unscaled sums (`sums`: 16 lanes a group of keys, group g's at sums + 256 g; its
 // first `len` tokens its own) to its bf16 weights as rows of A tiles (`probs`: tokens 32j to
@@ -337,6 +337,42 @@ inline float tile_row_weights(const float* sums, int64_t len, int64_t reach, flo
   return inv_sum;
 }
 
+// weigh_tiles_amx for two blocks of 16 rows at once, each tile of V pairs loaded once for both
+// (`probs0_of(j)`, `probs1_of(j)`: the blocks' weights of tile j as A tiles, rows 64 bytes
+// apart; sums into acc0 and acc1): 16 dims x 2 at a time, C tiles 0 and 3 the first block's,
+// 4 and 5 the second's; A tiles 1 and 6, B tiles 2 and 7. Per C tile the same instructions in
+// the same order as weigh_tiles_amx, so the same bits; a block's weights past its own reach
+// must be zero up to `tiles`. Taken one block at a time, every 16 rows read all of their V
+// again: at 8,000 tokens, from L3.
+template <int64_t D, typename ProbsOf, typename PairsOf>
+inline void weigh_tile_pair_amx(const ProbsOf& probs0_of, const ProbsOf& probs1_of, const PairsOf& pairs_of,
+                                int64_t tiles, float* acc0, float* acc1) {
+  constexpr int64_t C = D / 16;  // even: D is a multiple of 32
+  constexpr int64_t kB = C * 64;  // bytes between a tile's pairs
+  for (int64_t c0 = 0; c0 < C; c0 += 2) {
+    float *a0 = acc0 + 16 * c0, *a1 = acc1 + 16 * c0;
+    _tile_loadd(0, a0, D * 4);
+    _tile_loadd(3, a0 + 16, D * 4);
+    _tile_loadd(4, a1, D * 4);
+    _tile_loadd(5, a1 + 16, D * 4);
+    for (int64_t j = 0; j < tiles; ++j) {
+      const uint16_t* b = pairs_of(j) + c0 * 32;
+      _tile_loadd(2, b, kB);
+      _tile_loadd(7, b + 32, kB);
+      _tile_loadd(1, probs0_of(j), 64);
+      _tile_dpbf16ps(0, 1, 2);
+      _tile_dpbf16ps(3, 1, 7);
+      _tile_loadd(6, probs1_of(j), 64);
+      _tile_dpbf16ps(4, 6, 2);
+      _tile_dpbf16ps(5, 6, 7);
+    }
+    _tile_stored(0, a0, D * 4);
+    _tile_stored(3, a0 + 16, D * 4);
+    _tile_stored(4, a1, D * 4);
+    _tile_stored(5, a1 + 16, D * 4);
+  }
+}
+
 // prefill_tile_bf16's kv head on AMX, its rows in blocks of 16 as the tiles take them,
 // kBlocksAtOnce blocks at a time through all three passes: their scores group by group
 // (score_group_amx, into `buf.scores` [block][group][16 rows][16 lanes]), each row's weights
@@ -361,19 +397,25 @@ inline void attend_kv_head_amx(const c10::BFloat16* qbuf, int64_t rows, int64_t 
         score_group_amx<D>(keys.at(kv_head, g), qbuf + b0 * kRows * D, from - b0 * kRows, end - b0 * kRows,
                            buf.scores.data() + g * 256, groups * 256);
     }
+    // the tokens the blocks' last row reaches, in whole tiles: every row's weights up to there
+    const int64_t reach = (ctx0 + (end - 1) / group + 31) / 32 * 32;
+    const auto probs_of = [&](int64_t b) { return buf.probs16.data() + (b - b0) * tiles * 512; };
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t last = std::min(rows, (b + 1) * kRows) - 1, reach = (ctx0 + last / group + 31) / 32 * 32;
       const float* sums = buf.scores.data() + (b - b0) * groups * 256;
-      uint16_t* probs = buf.probs16.data() + (b - b0) * tiles * 512;
       for (int64_t i = 0; i < kRows; ++i) {
         const int64_t r = b * kRows + i;
         const float inv_sum = tile_row_weights(sums + i * 16, r < rows ? ctx0 + r / group : 0, reach, scale,
-                                               probs + i * 32);
+                                               probs_of(b) + i * 32);
         if (r < rows) buf.norms[r] = inv_sum;
       }
-      weigh_tiles_amx<D>([&](int64_t j) { return probs + j * 512; }, 32,
-                         [&](int64_t j) { return values.at(kv_head, j); }, reach / 32, buf.acc.data() + b * kRows * D);
     }
+    const auto pairs_of = [&](int64_t j) { return values.at(kv_head, j); };
+    const auto tile_of = [&](int64_t b) { return [p = probs_of(b)](int64_t j) { return p + j * 512; }; };
+    if (b1 - b0 == 2)
+      weigh_tile_pair_amx<D>(tile_of(b0), tile_of(b0 + 1), pairs_of, reach / 32, buf.acc.data() + b0 * kRows * D,
+                             buf.acc.data() + (b0 + 1) * kRows * D);
+    else
+      weigh_tiles_amx<D>(tile_of(b0), 32, pairs_of, reach / 32, buf.acc.data() + b0 * kRows * D);
   }
 }
 #endif
