@@ -47,6 +47,12 @@ struct TileBuffers {
   std::vector<int64_t> query_of, row_of;  // a kv head's rows: query, and row in the buffers
 };
 
+// `v` at least `n` long, never shrunk (what is past n is left as it was).
+template <typename T>
+inline void grow(std::vector<T>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+}
+
 // The k-th tile to run of `num_tiles`, in the balanced order: 0, n-1, 1, n-2, ...
 inline int64_t balanced_tile(int64_t k, int64_t num_tiles) { return k % 2 == 0 ? k / 2 : num_tiles - 1 - k / 2; }
 
@@ -159,12 +165,11 @@ struct ValueTiles {
 
 #if defined(PDSERVE_AMX)
 template <int64_t D>
-ValueTiles<D> make_value_tiles(const c10::BFloat16* v_ptr, const int64_t* table, int64_t tokens, int64_t num_kv_heads,
-                               int64_t block_size) {
-  ValueTiles<D> v;
+void make_value_tiles(const c10::BFloat16* v_ptr, const int64_t* table, int64_t tokens, int64_t num_kv_heads,
+                      int64_t block_size, ValueTiles<D>& v) {
   const int64_t token_stride = num_kv_heads * D, block_stride = block_size * token_stride;
   v.tiles = (tokens + 31) / 32;
-  v.pairs.resize(num_kv_heads * v.tiles * 16 * D * 2);
+  grow(v.pairs, num_kv_heads * v.tiles * 16 * D * 2);
   at::parallel_for(0, num_kv_heads * v.tiles, 16, [&](int64_t begin, int64_t end) {
     for (int64_t k = begin; k < end; ++k) {
       const int64_t h = k / v.tiles, j = k % v.tiles;
@@ -174,7 +179,6 @@ ValueTiles<D> make_value_tiles(const c10::BFloat16* v_ptr, const int64_t* table,
       value_pairs<D>(row, 16 * j, 16 * (j + 1), tokens, v.at(h, j));
     }
   });
-  return v;
 }
 #endif
 
@@ -253,12 +257,11 @@ struct LaneKeys {
 };
 
 template <int64_t D>
-LaneKeys<D> make_lane_keys(const c10::BFloat16* k_ptr, const int64_t* table, int64_t tokens, int64_t num_kv_heads,
-                           int64_t block_size) {
-  LaneKeys<D> keys;
+void make_lane_keys(const c10::BFloat16* k_ptr, const int64_t* table, int64_t tokens, int64_t num_kv_heads,
+                    int64_t block_size, LaneKeys<D>& keys) {
   const int64_t token_stride = num_kv_heads * D, block_stride = block_size * token_stride;
   keys.num_groups = (tokens + 15) / 16;
-  keys.groups.resize(num_kv_heads * keys.num_groups * (D / 2));
+  grow(keys.groups, num_kv_heads * keys.num_groups * (D / 2));
   at::parallel_for(0, num_kv_heads * keys.num_groups, 16, [&](int64_t begin, int64_t end) {
     for (int64_t k = begin; k < end; ++k) {
       const int64_t h = k / keys.num_groups, first = k % keys.num_groups * 16;
@@ -269,7 +272,6 @@ LaneKeys<D> make_lane_keys(const c10::BFloat16* k_ptr, const int64_t* table, int
       keys_in_lanes_of<D>(row, std::min<int64_t>(16, tokens - first), keys.at(h, k % keys.num_groups));
     }
   });
-  return keys;
 }
 
 // The tile's rows of kv head `kv_head`'s group (query i's head kv_head * group + j is row
@@ -587,16 +589,21 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
   const float fscale = static_cast<float>(scale);
   const int64_t num_tiles = (n + tile_size - 1) / tile_size;
   // K in lanes and V in AMX tiles for the whole prefix, made once for every tile (bf16)
-  LaneKeys<D> keys;
-  ValueTiles<D> values;
+  // (the calling thread's, kept from call to call: allocated afresh, their pages were faulted
+  // in and zeroed for every layer's call; bound to references here, which the threads' lambda
+  // captures: by their own names the threads would reach their own, empty, thread_locals)
+  static thread_local LaneKeys<D> thread_keys;
+  static thread_local ValueTiles<D> thread_values;
+  LaneKeys<D>& keys = thread_keys;
+  ValueTiles<D>& values = thread_values;
   bool on_tiles = false;
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    keys = make_lane_keys<D>(k_ptr, table, start_pos + n, num_kv_heads, block_size);
+    make_lane_keys<D>(k_ptr, table, start_pos + n, num_kv_heads, block_size, keys);
 #if defined(PDSERVE_AMX)
     if constexpr (D % 32 == 0) {
       on_tiles = values_on_tiles<D>();
-      if (on_tiles) values = make_value_tiles<D>(v_ptr, table, start_pos + n, num_kv_heads, block_size);
+      if (on_tiles) make_value_tiles<D>(v_ptr, table, start_pos + n, num_kv_heads, block_size, values);
     }
 #endif
   }
