@@ -313,30 +313,54 @@ inline void score_kv_head_bf16(const c10::BFloat16* qbuf, int64_t rows, int64_t 
 #if defined(PDSERVE_AMX)
 constexpr int64_t kBlocksAtOnce = 2;  // row blocks of 16 taken through all three passes together (weigh_tile_pair_amx)
 
+// The largest unscaled sum of each of a block's 16 rows over its own first len[i] tokens
+// (`sums`: group g's 16 rows of 16 lanes at sums + 256 g; exact in any order): the groups all
+// the rows take, 16 rows at a time from contiguous memory (16 independent chains, where one
+// row's walk waited on a load 1 KB from the last for every group), then each row's last ones.
+inline void block_row_max(const float* sums, const int64_t (&len)[kRows], float (&max)[kRows]) {
+  __m512 m[kRows];
+  for (auto& x : m) x = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const int64_t shortest = *std::min_element(len, len + kRows);
+  int64_t t = 0;
+  for (; t + 16 <= shortest; t += 16)
+    for (int i = 0; i < kRows; ++i) m[i] = _mm512_max_ps(m[i], _mm512_loadu_ps(sums + t * 16 + i * 16));
+  for (int i = 0; i < kRows; ++i) {
+    for (int64_t u = t; u < len[i]; u += 16) {
+      const __mmask16 k = len[i] - u >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (len[i] - u)) - 1);
+      m[i] = _mm512_mask_max_ps(m[i], k, m[i], _mm512_loadu_ps(sums + u * 16 + i * 16));
+    }
+    max[i] = _mm512_reduce_max_ps(m[i]);
+  }
+}
+
 // One row's unscaled sums (`sums`: 16 lanes a group of keys, group g's at sums + 256 g; its
-// first `len` tokens its own) to its bf16 weights as rows of A tiles (`probs`: tokens 32j to
-// 32j + 31 at probs + 512 j), zero from `len` up to `reach` (a multiple of 32), by
-// exp_to_bf16 of its scaled sums after the largest (exact in any order), the arithmetic of
-// exp_row_to_bf16 on the decode kernel's scores. Returns 1/sum of the weights.
-inline float tile_row_weights(const float* sums, int64_t len, int64_t reach, float scale, uint16_t* probs) {
+// first `len` tokens its own, the largest `max_sum`) to its bf16 weights as rows of A tiles
+// (`probs`: tokens 32j to 32j + 31 at probs + 512 j), zero from `len` up to `reach` (a multiple
+// of 32), by exp_to_bf16 of its scaled sums, the arithmetic of exp_row_to_bf16 on the decode
+// kernel's scores. Returns 1/sum of the weights.
+inline float tile_row_weights(const float* sums, int64_t len, float max_sum, int64_t reach, float scale,
+                              uint16_t* probs) {
   const auto at = [](int64_t t) { return t / 32 * 512 + t % 32; };  // token t's weight (t a multiple of 16)
   float inv_sum = 0.f;
-  if (len > 0) {
-    __m512 max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    int64_t t = 0;
-    for (; t + 16 <= len; t += 16) max = _mm512_max_ps(max, _mm512_loadu_ps(sums + t * 16));
-    if (t < len) max = _mm512_mask_max_ps(max, static_cast<__mmask16>((1u << (len - t)) - 1), max,
-                                          _mm512_loadu_ps(sums + t * 16));
+  if (len > 0)
     inv_sum = exp_to_bf16(
         [&](int64_t t, __mmask16 m) { return scaled(_mm512_maskz_loadu_ps(m, sums + t * 16), scale); }, len,
-        scaled_max(_mm512_reduce_max_ps(max), scale),
+        scaled_max(max_sum, scale),
         [&](int64_t t, __m256bh e, __mmask16 m) { _mm256_mask_storeu_epi16(probs + at(t), m, (__m256i)e); });
-  }
   for (int64_t t = len / 16 * 16; t < reach; t += 16) {  // past its tokens: zero
     const __mmask16 keep = t < len ? static_cast<__mmask16>((1u << (len - t)) - 1) : 0;
     _mm256_mask_storeu_epi16(probs + at(t), static_cast<__mmask16>(~keep), _mm256_setzero_si256());
   }
   return inv_sum;
+}
+
+constexpr int64_t kTilesAhead = 4;  // tiles of V (or groups of keys) fetched ahead of their use
+
+// Into L1: `lines` cache lines from each of a tile's 16 rows (`p` the first, rows `stride` bytes apart).
+inline void prefetch_lines(const void* p, int64_t stride, int64_t lines) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t r = 0; r < 16; ++r)
+    for (int64_t l = 0; l < lines; ++l) _mm_prefetch(c + r * stride + 64 * l, _MM_HINT_T0);
 }
 
 // weigh_tiles_amx for two blocks of 16 rows at once, each tile of V pairs loaded once for both
@@ -359,6 +383,7 @@ inline void weigh_tile_pair_amx(const ProbsOf& probs0_of, const ProbsOf& probs1_
     _tile_loadd(5, a1 + 16, D * 4);
     for (int64_t j = 0; j < tiles; ++j) {
       const uint16_t* b = pairs_of(j) + c0 * 32;
+      if (j + kTilesAhead < tiles) prefetch_lines(pairs_of(j + kTilesAhead) + c0 * 32, kB, 2);
       _tile_loadd(2, b, kB);
       _tile_loadd(7, b + 32, kB);
       _tile_loadd(1, probs0_of(j), 64);
@@ -394,6 +419,7 @@ inline void attend_kv_head_amx(const c10::BFloat16* qbuf, int64_t rows, int64_t 
   for (int64_t b0 = 0; b0 < blocks; b0 += kBlocksAtOnce) {
     const int64_t b1 = std::min(blocks, b0 + kBlocksAtOnce), end = std::min(rows, b1 * kRows);
     for (int64_t g = 0; g < groups; ++g) {
+      if (g + kTilesAhead < groups) prefetch_lines(keys.at(kv_head, g + kTilesAhead), 64 * (D / 32), D / 32);
       const int64_t from = std::max(first_row(16 * g, ctx0, group), b0 * kRows);
       if (from < end)
         score_group_amx<D>(keys.at(kv_head, g), qbuf + b0 * kRows * D, from - b0 * kRows, end - b0 * kRows,
@@ -404,11 +430,13 @@ inline void attend_kv_head_amx(const c10::BFloat16* qbuf, int64_t rows, int64_t 
     const auto probs_of = [&](int64_t b) { return buf.probs16.data() + (b - b0) * tiles * 512; };
     for (int64_t b = b0; b < b1; ++b) {
       const float* sums = buf.scores.data() + (b - b0) * groups * 256;
+      int64_t len[kRows];  // each row's tokens (a padding row's none)
+      for (int64_t i = 0; i < kRows; ++i) len[i] = b * kRows + i < rows ? ctx0 + (b * kRows + i) / group : 0;
+      float max_sum[kRows];
+      block_row_max(sums, len, max_sum);
       for (int64_t i = 0; i < kRows; ++i) {
-        const int64_t r = b * kRows + i;
-        const float inv_sum = tile_row_weights(sums + i * 16, r < rows ? ctx0 + r / group : 0, reach, scale,
-                                               probs_of(b) + i * 32);
-        if (r < rows) buf.norms[r] = inv_sum;
+        const float inv_sum = tile_row_weights(sums + i * 16, len[i], max_sum[i], reach, scale, probs_of(b) + i * 32);
+        if (len[i] > 0) buf.norms[b * kRows + i] = inv_sum;
       }
     }
     const auto pairs_of = [&](int64_t j) { return values.at(kv_head, j); };
