@@ -403,9 +403,10 @@ inline void weigh_tile_pair_amx(const ProbsOf& probs0_of, const ProbsOf& probs1_
 // prefill_tile_bf16's kv head on AMX, its rows in blocks of 16 as the tiles take them,
 // kBlocksAtOnce blocks at a time through all three passes: their scores group by group
 // (score_group_amx, into `buf.scores` [block][group][16 rows][16 lanes]), each row's weights
-// (tile_row_weights, into `buf.probs16` [block][tile of 32 tokens][16 rows][32]), and P.V
-// of each block over the tiles its last row reaches (weigh_tiles_amx, the sums kept on the
-// tiles, V from `values`) into `buf.acc`; each row's 1/sum into `buf.norms`. Every tile is
+// (block_row_max, tile_row_weights, into `buf.probs16` [block][tile of 32 tokens][16 rows][32]),
+// and P.V of the blocks over the tiles their last row reaches (weigh_tile_pair_amx, the sums
+// kept on the tiles, V from `values`) into `buf.acc`; each row's 1/sum into `buf.norms`. The
+// next key groups and V tiles are fetched kTilesAhead ahead. Every tile is
 // stored and loaded as 1 KB of contiguous memory, and a block pair's scores (32 rows, 1 MB at
 // 8,000 tokens) stay in L2 between the passes: rows of scores `ctx + 16` long, 16 lines
 // 32 KB apart per tile, all 96 rows' at once (4.5 MB with their weights), went to L3 and back.
