@@ -11,6 +11,7 @@ bandwidth that time implies, the FLOP rate, and whether the two gave the same bi
 JSON (+ PNG).
 
     .venv/bin/python benchmarks/linear_bf16.py [--rows 1,2,4,8,16,32,64,128,512,2048] [--dtype float32]
+        [--layers 30] [--no-lm-head]
 
 Writes benchmarks/results/linear_bf16.json (fp32: linear_float32.json).
 """
@@ -35,9 +36,10 @@ LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) o
 HEAD_SHAPE = (49152, 576)
 
 
-def model_weights(layers: int, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
+def model_weights(layers: int, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+                  lm_head: bool = True) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    shapes = LAYER_SHAPES * layers + [HEAD_SHAPE]
+    shapes = LAYER_SHAPES * layers + ([HEAD_SHAPE] if lm_head else [])
     return [(torch.randn(*shape, generator=gen) * 0.05).to(dtype) for shape in shapes]
 
 
@@ -66,7 +68,11 @@ def forward(weights: list[tuple], product, inputs: dict[int, torch.Tensor]) -> l
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", default="1,2,4,8,16,32,64,128,512,2048")
-    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--layers", type=int, default=30,
+                        help="decoder layers, each its own weights (1: one layer's weights, which stay in the "
+                             "cache from forward to forward, against 30 streamed from memory)")
+    parser.add_argument("--no-lm-head", action="store_true",
+                        help="leave the LM head out (a prefill runs it on its last row only)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--out", type=Path, default=None,
@@ -75,14 +81,15 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     out = args.out or ROOT / "benchmarks" / "results" / ("linear_bf16.json" if args.dtype == "bfloat16"
                                                            else "linear_float32.json")
-    weights = model_weights(args.layers, dtype=dtype)
+    weights = model_weights(args.layers, dtype=dtype, lm_head=not args.no_lm_head)
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
     flops_per_row = 2 * sum(w.numel() for w in weights)
     compared = {name: ([(p, w.shape[1]) for p, w in zip(packed, weights, strict=True)], product)
                 for name, (packed, product) in methods(weights).items()}
     result = {"setup": {"dtype": args.dtype, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
                         "load_average": os.getloadavg(),
-                        "layers": args.layers, "weight_bytes": weight_bytes, "repeats": args.repeats}, "runs": {}}
+                        "layers": args.layers, "lm_head": not args.no_lm_head, "weight_bytes": weight_bytes,
+                        "repeats": args.repeats}, "runs": {}}
     for rows in (int(n) for n in args.rows.split(",")):
         gen = torch.Generator().manual_seed(rows)
         inputs = {k: torch.randn(rows, k, generator=gen).to(dtype) for k in (576, 1536)}
