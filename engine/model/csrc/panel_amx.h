@@ -11,8 +11,10 @@
 // only on its own inputs and the weight (a tile's rows never mix), so a row's bits are the same
 // at any row count. They are not the bits of vdpbf16ps (the AVX-512 path), which sums a pair's
 // two products in the other order: a weight runs on one path or the other, by its shape alone.
-// Each output sums the pairs in order within blocks of `block_units` pairs, the block sums
-// added in order, as the AVX-512 path does.
+// Each output sums all K's pairs on its C tile, with no K blocks: the AVX-512 path's blocks
+// of 512 or 1,024 inputs are oneDNN's order there, which the tiles do not give anyway, and
+// storing and adding each block's sums cost 5-9% of a product (benchmarks/README.md). At 2,048
+// rows of SmolLM2's shapes these are the bits of oneDNN's own AMX product.
 #pragma once
 
 #include "amx.h"
@@ -27,12 +29,11 @@ constexpr int kVectors = 3;      // C tiles per panel row block (48 outputs)
 constexpr int64_t kRowBytes = 192;  // a panel's unit row: 48 outputs x 2 inputs x 2 bytes
 constexpr int64_t kSumsBytes = kVectors * 16 * 4;  // a row of sums: 48 fp32
 
-// One K block (units [k0, k1)) of `tiles` row blocks of 16 rows: x0's (and x1's when `tiles` is
-// 2) rows, `ldx` elements apart, times the panel at `w`, into C tiles 0-2 (x0) and 3-5 (x1).
+// `tiles` row blocks of 16 rows (x0's, and x1's when `tiles` is 2; rows `ldx` elements apart)
+// times units [0, units) of the panel at `w`, into C tiles 0-2 (x0) and 3-5 (x1).
 // One row block: C 0-2, A 6, B 3-5. Two: C 0-5, each B (tile 7) feeding both A tiles (6).
 template <int tiles>
-inline void block_tiles(const uint16_t* x0, const uint16_t* x1, int64_t ldx, const uint16_t* w, int64_t k0,
-                        int64_t k1) {
+inline void panel_tiles(const uint16_t* x0, const uint16_t* x1, int64_t ldx, const uint16_t* w, int64_t units) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -41,7 +42,7 @@ inline void block_tiles(const uint16_t* x0, const uint16_t* x1, int64_t ldx, con
     _tile_zero(4);
     _tile_zero(5);
   }
-  for (int64_t k = k0; k < k1; k += kUnits) {
+  for (int64_t k = 0; k < units; k += kUnits) {
     const char* b = reinterpret_cast<const char*>(w) + k * kRowBytes;
     if (tiles == 1) {
       _tile_loadd(6, x0 + 2 * k, ldx * 2);
@@ -70,27 +71,19 @@ inline void block_tiles(const uint16_t* x0, const uint16_t* x1, int64_t ldx, con
 }
 
 // `tiles` (1 or 2) row blocks of 16 rows of x (x0's, then x1's; rows `ldx` elements apart) times
-// units [0, units) of the panel at `w`, summed in blocks of `block_units` units, into `sums`
-// [16 * tiles][48] (fp32).
+// units [0, units) of the panel at `w`, into `sums` [16 * tiles][48] (fp32).
 template <int tiles>
 inline void panel_sums(const uint16_t* x0, const uint16_t* x1, int64_t ldx, const uint16_t* w, int64_t units,
-                       int64_t block_units, float (*sums)[kVectors * 16]) {
-  alignas(64) float block[2 * kRows][kVectors * 16];
-  for (int64_t k0 = 0; k0 < units; k0 += block_units) {
-    block_tiles<tiles>(x0, x1, ldx, w, k0, units < k0 + block_units ? units : k0 + block_units);
-    float* out = k0 == 0 ? &sums[0][0] : &block[0][0];
-    _tile_stored(0, out, kSumsBytes);
-    _tile_stored(1, out + 16, kSumsBytes);
-    _tile_stored(2, out + 32, kSumsBytes);
-    if (tiles == 2) {
-      _tile_stored(3, out + kRows * kVectors * 16, kSumsBytes);
-      _tile_stored(4, out + kRows * kVectors * 16 + 16, kSumsBytes);
-      _tile_stored(5, out + kRows * kVectors * 16 + 32, kSumsBytes);
-    }
-    if (k0 != 0)
-      for (int r = 0; r < tiles * kRows; ++r)
-        for (int n = 0; n < kVectors * 16; n += 16)
-          _mm512_store_ps(&sums[r][n], _mm512_add_ps(_mm512_load_ps(&sums[r][n]), _mm512_load_ps(&block[r][n])));
+                       float (*sums)[kVectors * 16]) {
+  panel_tiles<tiles>(x0, x1, ldx, w, units);
+  float* out = &sums[0][0];
+  _tile_stored(0, out, kSumsBytes);
+  _tile_stored(1, out + 16, kSumsBytes);
+  _tile_stored(2, out + 32, kSumsBytes);
+  if (tiles == 2) {
+    _tile_stored(3, out + kRows * kVectors * 16, kSumsBytes);
+    _tile_stored(4, out + kRows * kVectors * 16 + 16, kSumsBytes);
+    _tile_stored(5, out + kRows * kVectors * 16 + 32, kSumsBytes);
   }
 }
 

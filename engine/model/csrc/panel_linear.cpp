@@ -26,10 +26,10 @@
 //
 // With AMX (amx_bf16, granted by the kernel: panel_amx.h), a bf16 weight whose inputs are a
 // multiple of 32 runs on tiles instead, at every row count: 32 rows (two tiles of 16, a last
-// one padded with zero rows) through a whole panel at a time, in the same K blocks, each block
-// of rows taken by a group of 8 panels in turn so that a long prompt's rows are read from
-// memory once a group. A row's bits are the tiles' (not vdpbf16ps' nor oneDNN's), the same at
-// any row count.
+// one padded with zero rows) through a whole panel at a time, all of K summed on the tiles (no
+// K blocks: panel_amx.h), each block of rows taken by a group of 8 panels in turn so that a
+// long prompt's rows are read from memory once a group. A row's bits are the tiles' (not
+// vdpbf16ps'), the same at any row count.
 //
 // Why not oneDNN: decode-sized products (few rows) stream the weights faster this way; the
 // two are compared side by side in benchmarks/linear_bf16.py.
@@ -280,9 +280,9 @@ void panel_rows(const Walk& walk, int rows, const RowSource<E>& xs, int64_t m0, 
   if constexpr (E::kAmx) {
     alignas(64) float sums[2 * kAmxRows][kPanel];
     if (rows > kAmxRows)
-      amx::panel_sums<2>(xs.at(m0), xs.at(m0 + kAmxRows), K, w, walk.units, walk.block_units, sums);
+      amx::panel_sums<2>(xs.at(m0), xs.at(m0 + kAmxRows), K, w, walk.units, sums);
     else
-      amx::panel_sums<1>(xs.at(m0), nullptr, K, w, walk.units, walk.block_units, sums);
+      amx::panel_sums<1>(xs.at(m0), nullptr, K, w, walk.units, sums);
     return with_vectors([&](auto v) { store_rows<E, decltype(v)::value>(rows, &sums[0][0], bias, y, ldy, valid); });
   }
 #endif
