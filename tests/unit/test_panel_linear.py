@@ -198,6 +198,23 @@ def vdpbf16ps_sums(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.skipif(not AMX, reason="needs AMX (amx_bf16, granted by the kernel)")
+def test_amx_sums_all_of_k_on_the_tiles():
+    """On tiles, each output sums its products in one fp32 chain over all of K, with no K
+    blocks: 2^24, then 1 (lost to rounding beside 2^24), then -2^24 give 0, at any row count.
+    In the AVX-512 path's blocks of 512 inputs (2^24 in the first; 1 - 2^24, exact, in the
+    second) the same products give 1."""
+    inputs = 1024
+    weight = torch.zeros(48, inputs)
+    weight[:, 0], weight[:, 600], weight[:, 700] = 2.0**24, 1.0, -(2.0**24)
+    x = torch.zeros(40, inputs)
+    x[:, [0, 600, 700]] = 1.0
+    weight, x = weight.bfloat16(), x.bfloat16()
+    assert (vdpbf16ps_sums(x[:1], weight) == 1).all()  # the blocks' order would show
+    for rows in (1, 16, 40):
+        assert (linear(x[:rows], pack(weight)) == 0).all(), rows
+
+
+@pytest.mark.skipif(not AMX, reason="needs AMX (amx_bf16, granted by the kernel)")
 def test_amx_takes_weights_whose_inputs_fill_its_tiles():
     """A bf16 weight runs on tiles when its inputs are a multiple of a tile's 32, else on
     vdpbf16ps (whose order vdpbf16ps_sums follows): by its shape, never by the rows."""
