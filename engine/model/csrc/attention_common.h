@@ -616,68 +616,73 @@ inline __m512bh pair_weights(const uint16_t* p, bool single) {
   return (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(word));
 }
 
-// exp(x) for x <= 0, 16 lanes, inline (a call to libmvec spills the caller's registers):
-// 2^n * 2^f with n = round(x * log2 e), |f| <= 1/2, and 2^f by its degree-6 Taylor
-// polynomial (relative error ~1e-7, below bf16's 4e-3 by far); vscalefps gives 0 where 2^n
-// underflows. Exact arithmetic order fixed here, so every caller gets the same bits.
-inline __m512 exp16(__m512 x) {
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.54035304e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.33335581e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.61812911e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.55041087e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40226507e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93147181e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+// 2^x for x <= ~0, 16 lanes, inline (a call to libmvec spills the caller's registers):
+// 2^n * 2^f with n = round(x), |f| <= 1/2, and 2^f by its degree-4 minimax polynomial
+// (relative error 2.7e-6, a thousandth of bf16's rounding step); vscalefps gives 0 where 2^n
+// underflows. The arithmetic's order is fixed here, so every caller gets the same bits.
+inline __m512 exp2_16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(9.570102207e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.591785907e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402474433e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931217909e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999992847e-1f));
   return _mm512_scalef_ps(p, n);
 }
 
-// One row of `len` scores to the weights of bf16 P.V: exp(score - the row's max) rounded to
-// bf16, in one pass (exp16, the sum taken 16 lanes at a time from the row's first element, so
-// the row's address changes nothing). Returns 1/sum of the rounded weights: the caller scales
-// the weighted sum of V by it (as flash attention normalises at the end), so the rounded
-// weights of a row sum to exactly one. `scores(t, mask)`: the 16 scores from t (those in
-// `mask`; the row is read through it); `store(t, weights, mask)`: the 16 weights from t.
-template <typename Scores, typename Store>
-inline float exp_to_bf16(const Scores& scores, int64_t len, float max, const Store& store) {
-  const __m512 max_score = _mm512_set1_ps(max);
-  __m512 sum = _mm512_setzero_ps();
+// 32 weights of a row as bf16 (tokens t to t + 31: the low 16 words from `lo`, the high from
+// `hi`): 2^(sum * c - max_sum * c) for each unscaled sum, c = scale * log2 e, one FMA from the
+// sum to the exponent (the scale and the max folded in).
+inline __m512i exp_pair_to_bf16(__m512 lo, __m512 hi, __m512 c, __m512 bias) {
+  return (__m512i)_mm512_cvtne2ps_pbh(exp2_16(_mm512_fmadd_ps(hi, c, bias)), exp2_16(_mm512_fmadd_ps(lo, c, bias)));
+}
+
+// One row of `len` unscaled scores (q.k sums; the largest `max_sum`) to the weights of bf16
+// P.V: exp(scale * (sum - max_sum)) rounded to bf16, in one pass, 32 tokens at a time (the
+// sum of the weights taken from the 32 words as they are, the even and the odd ones in two
+// vectors, from the row's first element: the row's address changes nothing). Returns 1/sum of
+// the rounded weights: the caller scales the weighted sum of V by it (as flash attention
+// normalises at the end), so the rounded weights of a row sum to exactly one. `sums(t, mask)`:
+// the 16 sums from t (those in `mask`; the row is read through it); `store(t, weights, mask)`:
+// the 32 weights from t, zero from `len` on (`mask`: those before len). The scale is applied
+// here, not to the sums: a rounded multiply and a subtraction per score fewer.
+template <typename Sums, typename Store>
+inline float exp_to_bf16(const Sums& sums, int64_t len, float max_sum, float scale, const Store& store) {
+  const float c = scale * 1.44269504f;
+  const __m512 vc = _mm512_set1_ps(c), bias = _mm512_set1_ps(-(max_sum * c));
+  const __m512i high_words = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+  const auto add = [&](__m512i w) {
+    even = _mm512_add_ps(even, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+    odd = _mm512_add_ps(odd, _mm512_castsi512_ps(_mm512_and_si512(w, high_words)));
+  };
+  constexpr __mmask16 kAll = static_cast<__mmask16>(0xFFFF);
   int64_t t = 0;
-  for (; t + 16 <= len; t += 16) {
-    const __m256bh e = _mm512_cvtneps_pbh(exp16(_mm512_sub_ps(scores(t, static_cast<__mmask16>(0xFFFF)), max_score)));
-    store(t, e, static_cast<__mmask16>(0xFFFF));
-    sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(e));
+  for (; t + 32 <= len; t += 32) {
+    const __m512i w = exp_pair_to_bf16(sums(t, kAll), sums(t + 16, kAll), vc, bias);
+    store(t, w, static_cast<__mmask32>(0xFFFFFFFFu));
+    add(w);
   }
   if (t < len) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (len - t)) - 1);
-    const __m256bh e = _mm512_cvtneps_pbh(exp16(_mm512_sub_ps(scores(t, m), max_score)));
-    store(t, e, m);
-    sum = _mm512_mask_add_ps(sum, m, sum, _mm512_cvtpbh_ps(e));
+    const int64_t n = len - t;
+    const __mmask32 m = static_cast<__mmask32>((uint64_t{1} << n) - 1);
+    const __mmask16 lo = static_cast<__mmask16>(m), hi = static_cast<__mmask16>(m >> 16);
+    const __m512i w = _mm512_maskz_mov_epi16(m, exp_pair_to_bf16(sums(t, lo), sums(t + 16, hi), vc, bias));
+    store(t, w, m);
+    add(w);
   }
-  return 1.f / _mm512_reduce_add_ps(sum);
+  return 1.f / _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
 }
-// The weights into a row `o` (`len + 1` long, the last entry 0).
-inline float exp_to_bf16_row(const auto& scores, int64_t len, float max, uint16_t* o) {
-  const float inv = exp_to_bf16(scores, len, max, [o](int64_t t, __m256bh e, __mmask16 m) {
-    _mm256_mask_storeu_epi16(o + t, m, (__m256i)e);
-  });
+
+// The weights of a row of scores `s` (unscaled sums) into a row `o` (`len + 1` long, the last entry 0).
+inline float exp_row_to_bf16(const float* s, int64_t len, float scale, uint16_t* o) {
+  const float inv = exp_to_bf16([s](int64_t t, __mmask16 m) { return _mm512_maskz_loadu_ps(m, s + t); }, len,
+                                row_max(s, len), scale,
+                                [o](int64_t t, __m512i w, __mmask32 m) { _mm512_mask_storeu_epi16(o + t, m, w); });
   o[len] = 0;
   return inv;
 }
-inline float exp_row_to_bf16(const float* s, int64_t len, uint16_t* o) {
-  return exp_to_bf16_row([s](int64_t t, __mmask16 m) { return _mm512_maskz_loadu_ps(m, s + t); }, len,
-                         row_max(s, len), o);
-}
-// A score from its unscaled sum: sum * scale rounded to fp32 before the max is subtracted (an
-// explicitly rounded multiply, which the compiler cannot fuse into the subtraction), the bits
-// score_rows gives. The max of a row's scores is its largest sum times the scale (rounding
-// keeps the order, scale > 0).
-inline __m512 scaled(__m512 sums, float scale) {
-  return _mm512_mul_round_ps(sums, _mm512_set1_ps(scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-}
-inline float scaled_max(float max_sum, float scale) { return _mm512_cvtss_f32(scaled(_mm512_set1_ps(max_sum), scale)); }
 
 #if defined(PDSERVE_AMX)
 // Whether bf16 P.V runs on AMX tiles (weigh_tiles_amx) for head size D, in both kernels

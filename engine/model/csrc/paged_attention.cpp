@@ -97,8 +97,9 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
 //    (score_lanes_rows), the two heads sharing each load of a key.
 //  - Values: every head's fp32 output row lives in memory between blocks (loading and
 //    storing it changes no bits) and in registers while a block is weighed, up to 4 heads of
-//    a kv head's group at a time. In bf16 with avx512_bf16 the exps are rounded to bf16 in
-//    one pass (exp_row_to_bf16), two tokens are weighed per vdpbf16ps (weigh_block_bf16)
+//    a kv head's group at a time. In bf16 with avx512_bf16 the scores are left unscaled and
+//    their exps (the scale folded into the exponent) rounded to bf16 in one pass
+//    (exp_row_to_bf16), two tokens are weighed per vdpbf16ps (weigh_block_bf16)
 //    instead of converting each V row to fp32, and the sum is scaled by 1/sum at the end.
 //  - With AMX (where the kernel grants it: amx.h) the bf16 scores and, for head sizes that
 //    are multiples of 32 and block sizes that are even powers of two, P.V run on tiles of 4
@@ -242,12 +243,12 @@ inline void score_sequence_bf16(const c10::BFloat16* q, const SequenceBlocks<c10
 
 #if defined(PDSERVE_AMX)
 // One sequence's P.V on AMX tiles (values_on_tiles): per kv head, its group's probabilities
-// (exp_row_to_bf16 of `scores` [heads][ctx]; 1/sum into inv_sums) as rows of 32-token tiles
+// (exp_row_to_bf16 of `scores` [heads][ctx], unscaled sums; 1/sum into inv_sums) as rows of 32-token tiles
 // (zero past ctx), its V as tiles of pairs (value_pairs), weighed by weigh_tiles_amx 4 rows at a time into
 // `acc` [heads][D] (the prefill kernel weighs a token's row the same way).
 template <int64_t D>
 inline void weigh_sequence_amx(const Operands<c10::BFloat16>& o, const SequenceBlocks<c10::BFloat16>& blocks,
-                               int64_t ctx, const float* scores, std::vector<float>& inv_sums,
+                               int64_t ctx, const float* scores, float scale, std::vector<float>& inv_sums,
                                std::vector<uint16_t>& probs, std::vector<uint16_t>& pairs, std::vector<float>& sums,
                                float* acc) {
   constexpr int64_t R = kDecodeTileRows;  // rows per tile here (for_balanced_ranges' TileScope)
@@ -262,7 +263,7 @@ inline void weigh_sequence_amx(const Operands<c10::BFloat16>& o, const SequenceB
   for (int64_t kv_head = 0; kv_head < o.num_kv_heads; ++kv_head) {
     for (int64_t j = 0; j < group; ++j) {
       const int64_t h = kv_head * group + j;
-      inv_sums[h] = exp_row_to_bf16(scores + h * ctx, ctx, probs.data() + j * p_stride);
+      inv_sums[h] = exp_row_to_bf16(scores + h * ctx, ctx, scale, probs.data() + j * p_stride);
     }
     const auto row = [&](int64_t t) {
       return blocks.v + blocks.table[t / block_size] * blocks.block_stride + (t % block_size) * o.token_stride +
@@ -320,14 +321,15 @@ void decode_range(const Operands<T>& o, float scale, int64_t begin, int64_t end)
     scores.resize(num_heads * ctx);
 #if defined(__AVX512BF16__)
     if constexpr (kKeysInLanes)
-      score_sequence_bf16<D>(q, blocks, o.num_kv_heads, group, block_size, token_stride, ctx, scale, scores.data());
+      score_sequence_bf16<D>(q, blocks, o.num_kv_heads, group, block_size, token_stride, ctx,
+                             kPairedValues ? 1.f : scale, scores.data());  // paired: exp_row_to_bf16 scales
     else
 #endif
       score_sequence<T, D>(q, blocks, num_heads, group, block_size, token_stride, ctx, scale, scores.data());
 #if defined(PDSERVE_AMX)
     if constexpr (kPairedValues) {
       if (values_on_tiles<D>()) {
-        weigh_sequence_amx<D>(o, blocks, ctx, scores.data(), inv_sums, probs16, pairs, sums, acc.data());
+        weigh_sequence_amx<D>(o, blocks, ctx, scores.data(), scale, inv_sums, probs16, pairs, sums, acc.data());
         finish(b);
         continue;
       }
@@ -337,7 +339,7 @@ void decode_range(const Operands<T>& o, float scale, int64_t begin, int64_t end)
     if constexpr (kPairedValues) {
       probs16.resize(num_heads * (ctx + 1));
       for (int64_t h = 0; h < num_heads; ++h)
-        inv_sums[h] = exp_row_to_bf16(scores.data() + h * ctx, ctx, probs16.data() + h * (ctx + 1));
+        inv_sums[h] = exp_row_to_bf16(scores.data() + h * ctx, ctx, scale, probs16.data() + h * (ctx + 1));
     } else
 #endif
       softmax_rows(scores.data(), num_heads, ctx, inv_sums);

@@ -5,7 +5,7 @@
 // Token identity. Every query's output is computed by exactly the arithmetic the decode
 // kernel (paged_attention.cpp, its vector path) applies to a sequence of that context length:
 // the same scores (bf16: score_rows, keys in lanes; else score_lanes_rows), the same two-pass softmax
-// over the row (bf16: exp_row_to_bf16, the weighted sum scaled by 1/sum at the end), the
+// over the row (bf16: exp_row_to_bf16 of the unscaled sums, the weighted sum scaled by 1/sum at the end), the
 // same accumulation of probabilities times V token by token in position order (in bf16:
 // the same pairs of tokens per vdpbf16ps, a block's odd last token against a zero row). So a
 // token's output is the same bits whether it is prefilled in any chunking or decoded, alone
@@ -186,8 +186,8 @@ void make_value_tiles(const c10::BFloat16* v_ptr, const int64_t* table, int64_t 
 constexpr int kRows = 16;  // query rows scored together against one group of keys in lanes
 
 #if defined(PDSERVE_AMX)
-// The unscaled sums of score_rows_amx (the same instructions per row, so the same bits before
-// the multiplication by the scale, which `scaled` applies) of rows [from, rows) of `qbuf` (D
+// The unscaled sums of score_rows_amx (the same instructions per row, so its bits at scale 1,
+// which the bf16 softmax takes: exp_to_bf16 applies the scale) of rows [from, rows) of `qbuf` (D
 // apart, padded with zero rows to a multiple of kRows; `from` a multiple of kRows) against one
 // group of 16 keys in lanes `kt`, stored as they come off the tiles: row block b's 16 rows of
 // 16 lanes (those past the group's tokens too) at sums + b * block_step, 64 bytes a row. Up to
@@ -336,21 +336,17 @@ inline void block_row_max(const float* sums, const int64_t (&len)[kRows], float 
 // One row's unscaled sums (`sums`: 16 lanes a group of keys, group g's at sums + 256 g; its
 // first `len` tokens its own, the largest `max_sum`) to its bf16 weights as rows of A tiles
 // (`probs`: tokens 32j to 32j + 31 at probs + 512 j), zero from `len` up to `reach` (a multiple
-// of 32), by exp_to_bf16 of its scaled sums, the arithmetic of exp_row_to_bf16 on the decode
-// kernel's scores. Returns 1/sum of the weights.
+// of 32), by exp_to_bf16, the arithmetic of exp_row_to_bf16 on the decode kernel's scores.
+// Returns 1/sum of the weights.
 inline float tile_row_weights(const float* sums, int64_t len, float max_sum, int64_t reach, float scale,
                               uint16_t* probs) {
-  const auto at = [](int64_t t) { return t / 32 * 512 + t % 32; };  // token t's weight (t a multiple of 16)
   float inv_sum = 0.f;
-  if (len > 0)
-    inv_sum = exp_to_bf16(
-        [&](int64_t t, __mmask16 m) { return scaled(_mm512_maskz_loadu_ps(m, sums + t * 16), scale); }, len,
-        scaled_max(max_sum, scale),
-        [&](int64_t t, __m256bh e, __mmask16 m) { _mm256_mask_storeu_epi16(probs + at(t), m, (__m256i)e); });
-  for (int64_t t = len / 16 * 16; t < reach; t += 16) {  // past its tokens: zero
-    const __mmask16 keep = t < len ? static_cast<__mmask16>((1u << (len - t)) - 1) : 0;
-    _mm256_mask_storeu_epi16(probs + at(t), static_cast<__mmask16>(~keep), _mm256_setzero_si256());
-  }
+  if (len > 0)  // whole rows of 32 (zero past len)
+    inv_sum = exp_to_bf16([&](int64_t t, __mmask16 m) { return _mm512_maskz_loadu_ps(m, sums + t * 16); }, len,
+                          max_sum, scale,
+                          [&](int64_t t, __m512i w, __mmask32) { _mm512_storeu_si512(probs + t * 16, w); });
+  for (int64_t t = (len + 31) / 32 * 32; t < reach; t += 32)  // past its tokens: zero
+    _mm512_storeu_si512(probs + t * 16, _mm512_setzero_si512());
   return inv_sum;
 }
 
@@ -483,10 +479,10 @@ inline void prefill_tile_bf16(const c10::BFloat16* q_ptr, const LaneKeys<D>& key
     {
       buf.scores.resize(rows * ctx_max);
       buf.probs16.resize(rows * p_stride);
-      score_kv_head_bf16<D>(buf.qbuf.data(), rows, group, kv_head, keys, ctx0, ctx_max, scale, buf.scores.data(),
-                            ctx_max);
+      score_kv_head_bf16<D>(buf.qbuf.data(), rows, group, kv_head, keys, ctx0, ctx_max, 1.f, buf.scores.data(),
+                            ctx_max);  // unscaled: exp_row_to_bf16 scales
       for (int64_t r = 0; r < rows; ++r)
-        buf.norms[r] = exp_row_to_bf16(buf.scores.data() + r * ctx_max, ctx0 + buf.query_of[r],
+        buf.norms[r] = exp_row_to_bf16(buf.scores.data() + r * ctx_max, ctx0 + buf.query_of[r], scale,
                                        buf.probs16.data() + r * p_stride);
       buf.acc.assign(rows * D, 0.f);
       for (int64_t blk = 0; blk < num_blocks; blk += span_blocks) {
