@@ -32,7 +32,7 @@ _SOURCES = tuple(Path(__file__).parent / "csrc" / name
                  for name in ("paged_attention.cpp", "paged_prefill.cpp", "fused_ops.cpp", "panel_linear.cpp",
                               "bindings.cpp"))
 _HEADERS = tuple(Path(__file__).parent / "csrc" / name  # copied, not compiled
-                 for name in ("attention_common.h", "elementwise.h", "amx.h", "panel_amx.h"))
+                 for name in ("attention_common.h", "elementwise.h", "vector_bf16.h", "amx.h", "panel_amx.h"))
 _CFLAGS = ("-O3", "-ffast-math", f"-march={os.environ.get('PDSERVE_CPU_KERNEL_MARCH') or 'native'}", "-fopenmp")
 _LDFLAGS = ("-fopenmp", "-lmvec")
 

@@ -22,6 +22,7 @@
 #endif
 
 #include "amx.h"
+#include "vector_bf16.h"
 
 #include <algorithm>
 #include <cmath>
@@ -85,15 +86,11 @@ namespace simd {
 using vfloat = __m512;
 constexpr int64_t kLanes = 16;
 constexpr int64_t kAccumulators = 16;  // registers a kernel keeps sums in: half of the 32
-extern "C" __m512 _ZGVeN16v_expf(__m512);  // libmvec
 
 inline vfloat vzero() { return _mm512_setzero_ps(); }
 inline vfloat vset1(float x) { return _mm512_set1_ps(x); }
 inline vfloat vload(const float* p) { return _mm512_loadu_ps(p); }
-inline vfloat vload(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+inline vfloat vload(const c10::BFloat16* p) { return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline vfloat vload(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }

@@ -9,11 +9,7 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-
-extern "C" __m512 _ZGVeN16v_expf(__m512);  // glibc's libmvec: expf on 16 lanes
-#endif
+#include "vector_bf16.h"
 
 namespace {
 
@@ -41,9 +37,7 @@ inline void silu_mul_block(const T* gate, const T* up, T* out, int64_t n) {
 
 #if defined(__AVX512F__)
 // bf16 to fp32 (exact): the first lanes of `mask` from p, the rest zero.
-inline __m512 widen_bf16(const c10::BFloat16* p, __mmask16 mask) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
-}
+inline __m512 load_bf16(const c10::BFloat16* p, __mmask16 mask) { return widen_bf16(_mm256_maskz_loadu_epi16(mask, p)); }
 
 // fp32 to bf16 as c10::BFloat16 rounds: to nearest, ties to even, NaN to 0x7FC0.
 inline __m256i narrow_bf16(__m512 x) {
@@ -61,11 +55,10 @@ template <>
 inline void silu_mul_block<c10::BFloat16>(const c10::BFloat16* gate, const c10::BFloat16* up, c10::BFloat16* out,
                                           int64_t n) {
   const __mmask16 mask = n >= kSiluBlock ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
-  const __m512 g = widen_bf16(gate, mask), u = widen_bf16(up, mask);
+  const __m512 g = load_bf16(gate, mask), u = load_bf16(up, mask);
   const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_setzero_ps(), g));
   const __m256i silu = narrow_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
-  const __m512 silu32 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(silu), 16));
-  _mm256_mask_storeu_epi16(out, mask, narrow_bf16(_mm512_mul_ps(silu32, u)));
+  _mm256_mask_storeu_epi16(out, mask, narrow_bf16(_mm512_mul_ps(widen_bf16(silu), u)));
 }
 #endif
 

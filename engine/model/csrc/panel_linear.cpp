@@ -206,17 +206,19 @@ void row_block(int rows, const typename E::Elem* x, int64_t K, const typename E:
 
 // How a product of M rows walks each panel: decode-sized products (up to kBlockTiles tiles)
 // share each chunk among all their tiles; larger ones go tile by tile through whole K blocks.
-// With AMX, 32 rows at a time through whole panels, each block of rows taken by a group of
-// panels in turn (kAmxPanelGroup: their weights stay in L2 while the rows come from L1), so a
-// long prompt's rows are read from memory once a group, not once a panel.
+// With AMX, 32 rows at a time through whole panels, all of K in one block (amx::panel_sums),
+// each block of rows taken by a group of panels in turn (kAmxPanelGroup: their weights stay in
+// L2 while the rows come from L1), so a long prompt's rows are read from memory once a group,
+// not once a panel.
 struct Walk {
   int64_t units, block_units, block_rows, chunk, panel_group;
   template <typename E>
   static Walk of(int64_t M, int64_t K) {
+    const int64_t units = K / E::kInputs;
+    if (E::kAmx) return {units, units, 2 * kAmxRows, units, kAmxPanelGroup};
     const bool shared = M <= kBlockTiles * kTileRows;
     const int64_t block_units = block_of(K) / E::kInputs;
-    if (E::kAmx) return {K / E::kInputs, block_units, 2 * kAmxRows, block_units, kAmxPanelGroup};
-    return {K / E::kInputs, block_units, shared ? M : kTileRows, shared ? kChunkUnits : block_units, 1};
+    return {units, block_units, shared ? M : kTileRows, shared ? kChunkUnits : block_units, 1};
   }
 };
 
