@@ -97,7 +97,7 @@ def cpu_kernels():
 # (`-m "not gpu"`), not skipped. The allowed reasons are the CPU's own: a property that holds
 # only with AMX (its tests skip elsewhere), or only without it (bf16 panels giving oneDNN's
 # bits: with AMX they run on tiles, whose bits are the tiles' own; tests/unit/test_panel_linear.py).
-CI_ALLOWED_SKIP_REASONS: tuple[str, ...] = ("needs AMX (amx_bf16", "bf16 panels run on AMX tiles here")
+CI_ALLOWED_SKIP_REASONS: tuple[str, ...] = ("needs AMX (amx_bf16", "bf16 runs on AMX tiles here")
 _skips: list[tuple[str, str]] = []
 
 

@@ -16,8 +16,7 @@ import torch
 import pdserve.engine.model.llama as llama
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.model.fused import silu_mul
-from pdserve.engine.model.kernels import cpu_kernels
-from pdserve.engine.model.linear import PanelWeight
+from pdserve.engine.model.linear import PanelWeight, cpu_has_amx
 
 PRODUCTS = ("linear", "gated_linear")  # the model's products: llama.linear, llama.gated_linear
 
@@ -82,9 +81,9 @@ def test_the_cpu_kernels_products_give_onednns_bits_on_real_activations(smollm2_
     rows (at 2 rows or more, its path for one row rounds otherwise), and the gated gate/up
     product the bits of oneDNN's followed by silu_mul: a worker without the kernels computes
     what one with them does."""
-    kernels = cpu_kernels()
-    if dtype == "bfloat16" and kernels is not None and kernels.panel_linear_amx:
-        pytest.skip("bf16 panels run on AMX tiles here, whose bits are not oneDNN's (tests/unit/test_panel_linear.py)")
+    if dtype == "bfloat16" and cpu_has_amx():
+        pytest.skip("bf16 runs on AMX tiles here, whose bits are not the AVX-512 panels' "
+                    "(tests/unit/test_panel_linear.py)")
     llm = LLM(str(smollm2_dir), max_model_len=128, dtype=dtype)
     captured = [c for c in capture_products(llm) if isinstance(c[2], PanelWeight)]
     if not captured:
