@@ -158,13 +158,14 @@ def prefill_case(dtype, head_dim, num_heads, num_kv_heads, block_size, start_pos
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("head_dim", "num_heads", "num_kv_heads", "block_size"),
-                         [(64, 9, 3, 16), (128, 4, 4, 5), (16, 14, 2, 32), (24, 4, 2, 16)])
+                         [(64, 9, 3, 16), (128, 4, 4, 5), (16, 14, 2, 32), (24, 4, 2, 16), (64, 36, 2, 16)])
 @pytest.mark.parametrize(("start_pos", "num_tokens", "tile"), [(0, 70, 16), (37, 45, 8), (0, 1, 16), (100, 33, 1)])
 def test_prefill_gives_each_token_the_bits_of_its_decode(cpu_kernels, dtype, head_dim, num_heads, num_kv_heads,
                                                          block_size, start_pos, num_tokens, tile):
     """paged_prefill_attention (tiles of queries over the chunk's blocks) against
     paged_decode_attention of every token over its own prefix: the same bits, whatever the
-    tile size or where the chunk starts; and near the fp64 reference. The model's scale, which
+    tile size or where the chunk starts; and near the fp64 reference. (36 heads on 2 kv heads:
+    a group of 18, more than the 16 heads one AMX B tile holds in the decode kernel's scores.) The model's scale, which
     is not a power of two for every head size (rounding a score to it then matters)."""
     q, k_cache, v_cache, table = prefill_case(dtype, head_dim, num_heads, num_kv_heads, block_size, start_pos,
                                               num_tokens)

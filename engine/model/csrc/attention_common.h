@@ -274,7 +274,7 @@ struct TileScope {
   explicit TileScope(int = 0) {}
 };
 #endif
-constexpr int kDecodeTileRows = 4;  // the decode kernel's rows per tile: score_rows takes up to 4 heads
+constexpr int kDecodeTileRows = 4;  // the decode kernel's rows per tile (tiles 0, 1, 3-5): weigh_sequence_amx takes up to 4 heads
 
 // `fn(begin, end)` on ranges of sequences [0, num_seqs), one range per thread, cut where the
 // work (cached tokens to attend, plus kSequenceCost for a sequence's own overheads) is
@@ -414,22 +414,13 @@ inline __m512bh pair_at(const void* p) { return (__m512bh)_mm512_set1_epi32(pair
 // chain runs one instruction per pair; its latency is hidden by the R x NB independent
 // chains, and no horizontal reduction is needed: 64 FLOPs per instruction.)
 //
-// With AMX (where the kernel grants it, and D a multiple of 32) the chain is AMX's instead:
-// score_rows_amx for the decode kernel's R <= kDecodeTileRows rows; the prefill kernel's
-// score_group_amx (paged_prefill.cpp) runs the same instructions per row on tiles of 16, and
-// a row's sums on a tile never depend on the tile's other rows, so the same holds.
-template <int64_t D, int R, int NB>
-inline void score_rows_amx(const __m512i* kt, const c10::BFloat16* q, int64_t q_stride, float scale,
-                           __m512 (&out)[NB][R]);
-
+// With AMX (where the kernel grants it, and D a multiple of 32) both kernels score bf16 on
+// tiles instead, AMX's chain for every score: the prefill kernel's score_group_amx
+// (paged_prefill.cpp), the decode kernel's score_sequence_amx (paged_attention.cpp).
 template <int64_t D, int R, int NB>
 inline void score_rows(const __m512i* kt, const c10::BFloat16* q, int64_t q_stride, float scale,
                        __m512 (&out)[NB][R]) {
   constexpr int64_t P = D / 2;
-#if defined(PDSERVE_AMX)
-  if constexpr (P % 16 == 0 && R <= kDecodeTileRows)
-    if (amx::permitted()) return score_rows_amx<D, R, NB>(kt, q, q_stride, scale, out);
-#endif
   __m512 acc[NB][R];
   for (int b = 0; b < NB; ++b)
     for (int r = 0; r < R; ++r) acc[b][r] = _mm512_setzero_ps();
@@ -447,40 +438,6 @@ inline void score_rows(const __m512i* kt, const c10::BFloat16* q, int64_t q_stri
     for (int r = 0; r < R; ++r) out[b][r] = _mm512_mul_ps(acc[b][r], s);
 }
 
-#if defined(PDSERVE_AMX)
-// score_rows on AMX tiles (configured by the calling thread's TileScope: the decode kernel's,
-// of kDecodeTileRows rows): the R query rows are an A tile (fewer than the tile's are copied
-// and padded with zero rows, which never reach `out`), each group of keys in lanes is B tiles
-// as it is (pairs of dims x 16 tokens), and each score is AMX's sum over the D/2 pairs, 16
-// pairs per instruction in order, then times scale.
-template <int64_t D, int R, int NB>
-inline void score_rows_amx(const __m512i* kt, const c10::BFloat16* q, int64_t q_stride, float scale,
-                           __m512 (&out)[NB][R]) {
-  constexpr int64_t P = D / 2;
-  static_assert(R <= kDecodeTileRows, "the decode kernel's tiles");
-  constexpr int kTile = kDecodeTileRows;  // the rows a tile loads
-  alignas(64) c10::BFloat16 padded[R < kTile ? kTile * D : 1];
-  const c10::BFloat16* a = q;
-  int64_t lda = q_stride;
-  if constexpr (R < kTile) {
-    for (int r = 0; r < R; ++r) std::copy_n(q + r * q_stride, D, padded + r * D);
-    std::fill(padded + R * D, padded + kTile * D, c10::BFloat16(0.f));
-    a = padded, lda = D;
-  }
-  alignas(64) float sums[amx::kRows][16];
-  const __m512 s = _mm512_set1_ps(scale);
-  for (int b = 0; b < NB; ++b) {
-    _tile_zero(0);
-    for (int64_t c = 0; c < P; c += 16) {
-      _tile_loadd(1, a + 2 * c, lda * 2);
-      _tile_loadd(2, kt + b * P + c, 64);
-      _tile_dpbf16ps(0, 1, 2);
-    }
-    _tile_stored(0, sums, 64);
-    for (int r = 0; r < R; ++r) out[b][r] = _mm512_mul_ps(_mm512_load_ps(sums[r]), s);
-  }
-}
-#endif
 #endif
 
 // The steps of the tree that adds up a token's kLanes partial sums (score_lanes_rows): lanes

@@ -101,11 +101,12 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
 //    their exps (the scale folded into the exponent) rounded to bf16 in one pass
 //    (exp_row_to_bf16), two tokens are weighed per vdpbf16ps (weigh_block_bf16)
 //    instead of converting each V row to fp32, and the sum is scaled by 1/sum at the end.
-//  - With AMX (where the kernel grants it: amx.h) the bf16 scores and, for head sizes that
-//    are multiples of 32 and block sizes that are even powers of two, P.V run on tiles of 4
-//    rows (a kv head's query heads, up to 4 at a time): score_rows_amx, and weigh_sequence_amx
-//    (the V blocks read once in order, then each kv head's probabilities times its V pairs,
-//    32 tokens a tile), as the prefill kernel runs them.
+//  - With AMX (where the kernel grants it: amx.h), for head sizes that are multiples of 32,
+//    bf16 runs on tiles: the scores with 16 cached tokens' keys, as they lie in their block,
+//    as the A tile and a kv head's query heads as the B tile (score_sequence_amx: no
+//    transposition), and P.V with a kv head's query heads as tiles of 4 rows
+//    (weigh_sequence_amx: the V blocks read once in order, then each kv head's probabilities
+//    times its V pairs, 32 tokens a tile), the prefill kernel's bits.
 // Each output's summation order depends only on its own sequence, never on the batch or on
 // where its blocks lie, so a token's attention is the same bits alone, batched, or as a
 // prefill token (paged_prefill.cpp keeps the same order).
@@ -242,6 +243,71 @@ inline void score_sequence_bf16(const c10::BFloat16* q, const SequenceBlocks<c10
 #endif
 
 #if defined(PDSERVE_AMX)
+// Whether score_sequence_amx scores bf16 here: on AMX (granted) and D a multiple of 32.
+template <int64_t D>
+inline bool scores_on_tiles() {
+  return D % 32 == 0 && amx::permitted();
+}
+
+// score_sequence_bf16 on AMX tiles, keys as they lie in the cache: 16 cached tokens' K rows of
+// a kv head, in their block, are the A tile (tile 6: no transposition into lanes) and up to 16
+// of the group's query heads the B tile (tile 7: pairs of dims x heads, made once per sequence
+// in `qpairs`), so that row t of C (tile 2) holds token t's sums for those heads, stored and
+// gathered into each head's row of `scores`. Each sum is AMX's chain over the D/2 pairs, 16 a
+// tile, in order, a pair's products exact in fp32 whichever operand carries which factor: the
+// bits of the prefill kernel's score_group_amx (queries as the A tile, keys in lanes as B) at
+// scale 1, the unscaled sums exp_row_to_bf16 takes. A group of fewer than 16 tokens (a block's
+// last, or blocks of fewer) is copied with zero rows after it. The tiles have 16 rows
+// (TileConfig's 2, 6 and 7).
+template <int64_t D>
+inline void score_sequence_amx(const c10::BFloat16* q, const SequenceBlocks<c10::BFloat16>& blocks,
+                               int64_t num_kv_heads, int64_t group, int64_t block_size, int64_t token_stride,
+                               int64_t ctx, float* scores, std::vector<uint32_t>& qpairs) {
+  constexpr int64_t H = D / 32;                     // B tiles (16 pairs each) per head row
+  const int64_t head_tiles = (group + 15) / 16;     // B tiles' columns: 16 heads each
+  const auto b_tile = [&](int64_t kv_head, int64_t ht, int64_t c) {
+    return qpairs.data() + ((kv_head * head_tiles + ht) * H + c) * 256;
+  };
+  qpairs.assign(num_kv_heads * head_tiles * H * 256, 0u);
+  for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head)
+    for (int64_t n = 0; n < group; ++n)
+      for (int64_t k = 0; k < H * 16; ++k)  // pair k of head n: row k % 16, column n % 16 of its B tile
+        b_tile(kv_head, n / 16, k / 16)[(k % 16) * 16 + n % 16] =
+            static_cast<uint32_t>(pair_word(q + (kv_head * group + n) * D + 2 * k));
+  alignas(64) c10::BFloat16 padded[16 * D];
+  alignas(64) float sums[16][16];
+  const __m512i rows = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 16, 0);
+  for (int64_t blk = 0; blk < blocks.num_blocks; ++blk) {
+    const int64_t first = blk * block_size, tokens = std::min(block_size, ctx - first);
+    const c10::BFloat16* block = blocks.key_block(blk);
+    for (int64_t i0 = 0; i0 < tokens; i0 += 16) {
+      const int64_t count = std::min<int64_t>(16, tokens - i0);
+      const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+      for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+        const c10::BFloat16* a = block + i0 * token_stride + kv_head * D;
+        int64_t lda = token_stride;
+        if (count < 16) {
+          for (int64_t t = 0; t < count; ++t) std::copy_n(a + t * token_stride, D, padded + t * D);
+          std::fill(padded + count * D, padded + 16 * D, c10::BFloat16(0.f));
+          a = padded, lda = D;
+        }
+        for (int64_t ht = 0; ht < head_tiles; ++ht) {
+          _tile_zero(2);
+          for (int64_t c = 0; c < H; ++c) {
+            _tile_loadd(6, a + 32 * c, lda * 2);
+            _tile_loadd(7, b_tile(kv_head, ht, c), 64);
+            _tile_dpbf16ps(2, 6, 7);
+          }
+          _tile_stored(2, sums, 64);
+          for (int64_t n = 16 * ht; n < std::min(group, 16 * ht + 16); ++n)
+            _mm512_mask_storeu_ps(scores + (kv_head * group + n) * ctx + first + i0, mask,
+                                  _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, rows, &sums[0][n % 16], 4));
+        }
+      }
+    }
+  }
+}
+
 // One sequence's P.V on AMX tiles (values_on_tiles): per kv head, its group's probabilities
 // (exp_row_to_bf16 of `scores` [heads][ctx], unscaled sums; 1/sum into inv_sums) as rows of 32-token tiles
 // (zero past ctx), its V as tiles of pairs (value_pairs), weighed by weigh_tiles_amx 4 rows at a time into
@@ -300,6 +366,7 @@ void decode_range(const Operands<T>& o, float scale, int64_t begin, int64_t end)
   std::vector<float> scores, inv_sums(num_heads), acc(num_heads * D);
   std::vector<uint16_t> probs16, pairs;  // bf16 probabilities, for weigh_block_bf16; V pairs (AMX)
   std::vector<float> sums;  // a kv head's weighted sums on AMX, 16 rows at a time
+  std::vector<uint32_t> qpairs;  // the query heads as AMX B tiles (score_sequence_amx)
   alignas(64) float row[D];
   // sequence b's weighted sums (`acc`) times 1/sum (bf16) into its output rows
   const auto finish = [&](int64_t b) {
@@ -319,13 +386,20 @@ void decode_range(const Operands<T>& o, float scale, int64_t begin, int64_t end)
                                    block_size * token_stride};
     const T* q = o.q + b * num_heads * D;
     scores.resize(num_heads * ctx);
+    [&] {  // the scores: on AMX tiles, keys in lanes (bf16), or kLanes tokens at a time
+#if defined(PDSERVE_AMX)
+      if constexpr (kPairedValues)
+        if (scores_on_tiles<D>())
+          return score_sequence_amx<D>(q, blocks, o.num_kv_heads, group, block_size, token_stride, ctx, scores.data(),
+                                       qpairs);  // unscaled: exp_row_to_bf16 scales
+#endif
 #if defined(__AVX512BF16__)
-    if constexpr (kKeysInLanes)
-      score_sequence_bf16<D>(q, blocks, o.num_kv_heads, group, block_size, token_stride, ctx,
-                             kPairedValues ? 1.f : scale, scores.data());  // paired: exp_row_to_bf16 scales
-    else
+      if constexpr (kKeysInLanes)
+        return score_sequence_bf16<D>(q, blocks, o.num_kv_heads, group, block_size, token_stride, ctx,
+                                      kPairedValues ? 1.f : scale, scores.data());  // paired: exp_row_to_bf16 scales
 #endif
       score_sequence<T, D>(q, blocks, num_heads, group, block_size, token_stride, ctx, scale, scores.data());
+    }();
 #if defined(PDSERVE_AMX)
     if constexpr (kPairedValues) {
       if (values_on_tiles<D>()) {

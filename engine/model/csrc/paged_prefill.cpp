@@ -10,8 +10,8 @@
 // the same pairs of tokens per vdpbf16ps, a block's odd last token against a zero row). So a
 // token's output is the same bits whether it is prefilled in any chunking or decoded, alone
 // or batched. With AMX, the scores and P.V of bf16 run on tiles in both kernels alike
-// (attention_common.h: score_rows_amx, weigh_tiles_amx; here score_group_amx and weigh_tiles_amx,
-// 16 rows a tile).
+// (paged_attention.cpp: score_sequence_amx, weigh_sequence_amx; here score_group_amx and
+// weigh_tiles_amx, 16 rows a tile).
 //
 // What changes is the order of the loops around that arithmetic: queries are taken in tiles
 // of consecutive tokens, and each tile walks the sequence's K and V once, every group of keys
@@ -186,8 +186,8 @@ void make_value_tiles(const c10::BFloat16* v_ptr, const int64_t* table, int64_t 
 constexpr int kRows = 16;  // query rows scored together against one group of keys in lanes
 
 #if defined(PDSERVE_AMX)
-// The unscaled sums of score_rows_amx (the same instructions per row, so its bits at scale 1,
-// which the bf16 softmax takes: exp_to_bf16 applies the scale) of rows [from, rows) of `qbuf` (D
+// The unscaled sums (AMX's chain over the D/2 pairs, 16 a tile, in order: the decode kernel's
+// score_sequence_amx bits, which the bf16 softmax takes: exp_to_bf16 applies the scale) of rows [from, rows) of `qbuf` (D
 // apart, padded with zero rows to a multiple of kRows; `from` a multiple of kRows) against one
 // group of 16 keys in lanes `kt`, stored as they come off the tiles: row block b's 16 rows of
 // 16 lanes (those past the group's tokens too) at sums + b * block_step, 64 bytes a row. Up to
